@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # subcommand module -> its one-line help. Each module defines register(subparsers).
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "tessera.runtime.planner.cli": "capacity plan of a ModelDeployment",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ DEFAULT_WEIGHTS_DTYPE = "bf16"
 DEFAULT_INT4_GROUP_SIZE = 128
 DEFAULT_KV_DTYPE = "bf16"
 DEFAULT_PAGE_SIZE = 64  # FlashMLA and the DSA (NSA) backend need 64; fine for GQA too
-# contextLength defaults to the architecture's max_position_embeddings.
+DEFAULT_CONTEXT_LENGTH = 131072
 
 # Context lengths of the comparison table and of status.
 TABLE_CONTEXTS = (4096, 32768, 131072)
@@ -156,7 +156,7 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
     _require_mapping(spec, "spec")
     arch = _architecture(spec)
     context = _positive_int(_mapping(spec, "model"), "contextLength", "spec.model",
-                            default=arch.max_position_embeddings)
+                            default=DEFAULT_CONTEXT_LENGTH)
     gpu = {**DEFAULT_GPU, **_mapping(_mapping(spec, "nodePool"), "gpu", "spec.nodePool")}
     memory_bytes = int(_positive_number(gpu, "memoryGiB", "spec.nodePool.gpu") * GiB)
     capability = _compute_capability(gpu.get("computeCapability"))
@@ -170,6 +170,12 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
         findings += _capacity_findings(plan, memory_bytes)
         plans[phase.name] = plan
     findings += _handoff_rules(plans)
+    if context > arch.max_position_embeddings:
+        findings.append(Finding(
+            "warning", "ContextBeyondModel",
+            f"contextLength {context} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}; quality past it is not what the model was "
+            "trained for.", CAPACITY))
     return DeploymentPlan(arch, context, memory_bytes, plans, findings)
 
 
@@ -217,9 +223,10 @@ def compare_precisions(spec: Mapping[str, Any]) -> dict[str, list[PhasePlan]]:
     and group size kept), for the side-by-side table."""
     plan = plan_deployment(spec)
     out: dict[str, list[PhasePlan]] = {}
-    for name, phase_plan in plan.phases.items():
-        base = phase_plan.spec
+    for name, chosen in plan.phases.items():
+        base = chosen.spec
         out[name] = [
+            chosen if (w, kv) == (base.weights.dtype, base.kv_dtype) else
             plan_phase(plan.architecture,
                        replace(base, kv_dtype=kv,
                                weights=WeightScheme.of(w, base.weights.group_size,

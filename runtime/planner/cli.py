@@ -1,0 +1,127 @@
+"""`tessera plan FILE.yaml`: the capacity plan of a ModelDeployment, precisions side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tessera.runtime.planner.errors import PlanError
+from tessera.runtime.planner.plan import (
+    CAPACITY,
+    PRECISION,
+    TABLE_CONTEXTS,
+    DeploymentPlan,
+    PhasePlan,
+    compare_precisions,
+    plan_deployment,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="print the capacity plan of a ModelDeployment, precisions side by side",
+        description=__doc__)
+    parser.add_argument("file", type=Path, help="a ModelDeployment manifest (YAML)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every phase plans cleanly, 1 on error findings, 2 on unusable input."""
+    try:
+        name, spec = load_spec(args.file)
+        plan = plan_deployment(spec)
+        variants = compare_precisions(spec)
+    except PlanError as e:
+        print(f"tessera plan: {args.file}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan_json(plan, variants), indent=2))
+    else:
+        print(render(name, spec, plan, variants))
+    return 0 if plan.ok else 1
+
+
+def load_spec(path: Path) -> tuple[str, dict[str, Any]]:
+    """(name, spec) of the one ModelDeployment in the YAML file at `path`."""
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as e:
+        raise PlanError(f"cannot read the file: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"not valid YAML: {e}") from None
+    found = [d for d in docs if isinstance(d, dict) and d.get("kind") == "ModelDeployment"]
+    if len(found) != 1:
+        raise PlanError(f"expected exactly one document of kind ModelDeployment, found "
+                        f"{len(found)}")
+    doc = found[0]
+    if not isinstance(doc.get("spec"), dict):
+        raise PlanError("the ModelDeployment has no spec mapping")
+    return str((doc.get("metadata") or {}).get("name", "?")), doc["spec"]
+
+
+def plan_json(plan: DeploymentPlan, variants: dict[str, list[PhasePlan]]) -> dict[str, Any]:
+    return {
+        "ok": plan.ok,
+        "status": plan.to_status(),
+        "conditions": [vars(plan.condition(c)) for c in (PRECISION, CAPACITY)],
+        "findings": [vars(f) for f in plan.findings],
+        "comparison": {phase: [p.to_status() for p in plans]
+                       for phase, plans in variants.items()},
+    }
+
+
+_ROWS: tuple[tuple[str, Any], ...] = (
+    ("memFractionStatic", lambda p: f"{p.mem_fraction_static:.3f}"),
+    ("weights GiB/GPU", lambda p: f"{p.weights_bytes_per_gpu / 2**30:.1f}"),
+    ("KV pool GiB/GPU", lambda p: f"{p.kv_pool_bytes_per_gpu / 2**30:.1f}"),
+    ("KV bytes/token/GPU", lambda p: f"{p.kv_bytes_per_token_per_gpu:,}"),
+    ("KV tokens/replica", lambda p: f"{p.kv_tokens_per_replica:,}"),
+    *((f"requests @ {n // 1024}k", lambda p, n=n: f"{p.concurrency_at[n]:,}")
+      for n in TABLE_CONTEXTS),
+)
+
+
+def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
+           variants: dict[str, list[PhasePlan]]) -> str:
+    arch = spec["model"]["architecture"]
+    gpu = (spec.get("nodePool") or {}).get("gpu") or {}
+    lines = [f"{name}: {arch.get('preset') or 'custom architecture'}, context "
+             f"{plan.context_length:,} tokens, {gpu.get('product', 'H200')} "
+             f"{plan.gpu_memory_bytes / 2**30:g} GiB per GPU"]
+    for phase, plans in variants.items():
+        chosen = plan.phases[phase]
+        s = chosen.spec
+        lines += ["", f"{phase}: {s.replicas} replica(s) x {s.tensor_parallel} GPUs (EP "
+                      f"{s.expert_parallel}, attention DP {s.attention_data_parallel}), page "
+                      f"{s.page_size}; * = this spec"]
+        headers = [_label(p, chosen) for p in plans]
+        rows = [(label, [cell(p) for p in plans]) for label, cell in _ROWS]
+        if plan.context_length not in TABLE_CONTEXTS:
+            rows.append((f"requests @ {plan.context_length:,}",
+                         [f"{p.max_concurrent_requests:,}" for p in plans]))
+        width = max(len(label) for label, _ in rows)
+        cols = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(headers)]
+        lines.append(" " * width + "".join(f"  {h:>{w}}" for h, w in zip(headers, cols,
+                                                                           strict=True)))
+        lines += [f"{label:<{width}}" + "".join(f"  {v:>{w}}" for v, w in zip(values, cols,
+                                                                              strict=True))
+                  for label, values in rows]
+    lines.append("")
+    for c in (PRECISION, CAPACITY):
+        cond = plan.condition(c)
+        lines.append(f"{c}: {cond.status} ({cond.reason}) {cond.message}")
+    for f in plan.findings:
+        lines.append(f"{f.severity}: {f.reason}: {f.message}")
+    return "\n".join(lines)
+
+
+def _label(p: PhasePlan, chosen: PhasePlan) -> str:
+    mark = "*" if (p.spec.weights.dtype, p.spec.kv_dtype) == (
+        chosen.spec.weights.dtype, chosen.spec.kv_dtype) else ""
+    kv = "fp8" if p.spec.kv_dtype == "fp8_e4m3" else p.spec.kv_dtype
+    return f"{mark}W {p.spec.weights.dtype} / KV {kv}"
