@@ -14,6 +14,7 @@ import sys
 # subcommand module -> its one-line help. Each module defines register(subparsers).
 SUBCOMMANDS: dict[str, str] = {
     "tessera.runtime.planner.cli": "capacity plan of a ModelDeployment",
+    "tessera.runtime.quantize.cli": "FP8/BF16 checkpoint -> INT4 W4A16 checkpoint",
 }
 
 
