@@ -1,0 +1,265 @@
+"""Desired child objects of one ModelDeployment, as plain dicts (pure; no API calls).
+
+Per phase (prefill and decode, or single): a ConfigMap with the runtime config, a Deployment of
+engine pods, a headless Service for bootstrap and discovery, a PodDisruptionBudget. Once: the
+router (a ServiceAccount allowed to discover pods, its Role and RoleBinding, a Deployment, a
+Service, a PodDisruptionBudget). Every child carries the deployment's labels and an owner
+reference, so deleting the ModelDeployment garbage-collects all of them.
+
+One Deployment per phase means one pod per replica: tensor parallel stays inside a node
+(tensorParallel <= nodePool.gpu.perNode). A replica spanning nodes needs a leader/worker shape
+and is refused at planning time until it exists (docs/operator.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from tessera.operator import constants as c
+
+Obj = dict[str, Any]
+
+
+def stable_hash(value: Any) -> str:
+    """A short content hash, identical for equal JSON values whatever their key order."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def phases_of(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The engine phases a spec asks for: ("single",) or ("prefill", "decode")."""
+    return (c.SINGLE,) if c.SINGLE in spec else (c.PREFILL, c.DECODE)
+
+
+def child_name(name: str, component: str, suffix: str = "") -> str:
+    return f"{name}-{component}{'-' + suffix if suffix else ''}"
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    return {c.LABEL_DEPLOYMENT: name, c.LABEL_PHASE: component}
+
+
+def router_endpoint(md: Mapping[str, Any]) -> str:
+    meta, router = md["metadata"], md["spec"].get("router", {})
+    service = child_name(meta["name"], c.ROUTER)
+    return f"http://{service}.{meta['namespace']}.svc:{router.get('port', 8000)}/v1"
+
+
+def _owner_reference(md: Mapping[str, Any]) -> Obj:
+    return {
+        "apiVersion": c.API_VERSION_FULL,
+        "kind": c.KIND,
+        "name": md["metadata"]["name"],
+        "uid": md["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(md: Mapping[str, Any], name: str, component: str) -> Obj:
+    labels = {**selector_labels(md["metadata"]["name"], component),
+              c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    return {
+        "name": name,
+        "namespace": md["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [_owner_reference(md)],
+    }
+
+
+def _downward_env() -> list[Obj]:
+    fields = ((c.ENV_POD_NAME, "metadata.name"), (c.ENV_POD_NAMESPACE, "metadata.namespace"),
+              (c.ENV_POD_UID, "metadata.uid"))
+    return [{"name": env, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+            for env, path in fields]
+
+
+def _scheduling(spec: Mapping[str, Any]) -> Obj:
+    pool = spec.get("nodePool", {})
+    out: Obj = {}
+    if pool.get("nodeSelector"):
+        out["nodeSelector"] = dict(pool["nodeSelector"])
+    if pool.get("tolerations"):
+        out["tolerations"] = [dict(t) for t in pool["tolerations"]]
+    return out
+
+
+def _http_probe(path: str, period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def gpus_per_pod(phase_spec: Mapping[str, Any]) -> int:
+    return int(phase_spec.get("tensorParallel", 8))
+
+
+def config_map(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    name = child_name(md["metadata"]["name"], phase, "config")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(md, name, phase),
+            "data": {c.CONFIG_KEY: config_text}}
+
+
+def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    spec, name = md["spec"], md["metadata"]["name"]
+    phase_spec = spec[phase]
+    gpus = str(gpus_per_pod(phase_spec))
+    labels = selector_labels(name, phase)
+    # The runtime config is mounted, not part of the template: its hash in the template is what
+    # rolls this phase's pods (and only this phase's) when its config changes.
+    annotations = {c.ANNOTATION_PHASE_HASH: stable_hash(config_text)}
+    ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"}]
+    if phase == c.PREFILL:
+        annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.PORT_BOOTSTRAP)
+        ports.append({"name": "bootstrap", "containerPort": c.PORT_BOOTSTRAP, "protocol": "TCP"})
+    container = {
+        "name": "engine",
+        "image": spec["engine"]["image"],
+        "command": ["tessera-runtime"],
+        "args": ["serve", "--config", f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"],
+        "env": [*_downward_env(),
+                {"name": c.ENV_RUNTIME_CONFIG, "value": f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"}],
+        "ports": ports,
+        "resources": {"requests": {c.GPU_RESOURCE: gpus}, "limits": {c.GPU_RESOURCE: gpus}},
+        # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can
+        # take half an hour, which the startup probe allows before liveness applies.
+        "startupProbe": _http_probe("/health", 10, 180),
+        "readinessProbe": _http_probe("/health", 10, 3),
+        "livenessProbe": _http_probe("/health", 30, 5),
+        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
+                         {"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    pod_spec = {
+        **_scheduling(spec),
+        "containers": [container],
+        "volumes": [
+            {"name": "config",
+             "configMap": {"name": child_name(name, phase, "config")}},
+            # NCCL and SGLang's scheduler exchange tensors through shared memory.
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(md, child_name(name, phase), phase),
+        "spec": {
+            "replicas": int(phase_spec.get("replicas", 1)),
+            "selector": {"matchLabels": labels},
+            # Never two copies of a replica's GPUs at once: roll by replacing, one at a time.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                             "annotations": annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
+    """Headless: the router and the decode pods need each pod's own address (bootstrap)."""
+    name = md["metadata"]["name"]
+    ports = [{"name": "http", "port": c.PORT_HTTP, "targetPort": "http", "protocol": "TCP"}]
+    if phase == c.PREFILL:
+        ports.append({"name": "bootstrap", "port": c.PORT_BOOTSTRAP, "targetPort": "bootstrap",
+                      "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(md, child_name(name, phase), phase),
+        "spec": {"clusterIP": "None", "selector": selector_labels(name, phase), "ports": ports,
+                 "publishNotReadyAddresses": False},
+    }
+
+
+def disruption_budget(md: Mapping[str, Any], component: str) -> Obj:
+    name = md["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(md, child_name(name, component), component),
+        "spec": {"maxUnavailable": 1,
+                 "selector": {"matchLabels": selector_labels(name, component)}},
+    }
+
+
+def router_children(md: Mapping[str, Any]) -> list[Obj]:
+    spec, name, namespace = md["spec"], md["metadata"]["name"], md["metadata"]["namespace"]
+    router = spec.get("router", {})
+    port = int(router.get("port", 8000))
+    rname = child_name(name, c.ROUTER)
+    labels = selector_labels(name, c.ROUTER)
+
+    def selector_args(phase: str) -> list[str]:
+        return [f"{k}={v}" for k, v in selector_labels(name, phase).items()]
+
+    discovery = ["--service-discovery", "--service-discovery-namespace", namespace,
+                 "--service-discovery-port", str(c.PORT_HTTP)]
+    if c.SINGLE in spec:
+        discovery += ["--selector", *selector_args(c.SINGLE)]
+    else:
+        discovery += ["--pd-disaggregation", "--prefill-selector", *selector_args(c.PREFILL),
+                      "--decode-selector", *selector_args(c.DECODE)]
+    container = {
+        "name": "router",
+        "image": spec["engine"]["image"],
+        "command": ["python", "-m", "sglang_router.launch_router"],
+        "args": ["--host", "0.0.0.0", "--port", str(port),
+                 "--policy", router.get("policy", "cache_aware"), *discovery],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/health", 5, 3),
+        "livenessProbe": _http_probe("/health", 15, 4),
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(md, rname, c.ROUTER)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": _metadata(md, rname, c.ROUTER),
+         # The router discovers engine pods by label and follows their readiness.
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _metadata(md, rname, c.ROUTER),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
+         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": _metadata(md, rname, c.ROUTER),
+         "spec": {"replicas": int(router.get("replicas", 1)),
+                  "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": {**labels,
+                                                       c.LABEL_MANAGED_BY: c.MANAGED_BY}},
+                               "spec": {"serviceAccountName": rname,
+                                        **_scheduling_router(spec),
+                                        "containers": [container]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(md, rname, c.ROUTER),
+         "spec": {"selector": labels,
+                  "ports": [{"name": "http", "port": port, "targetPort": "http",
+                             "protocol": "TCP"}]}},
+        disruption_budget(md, c.ROUTER),
+    ]
+
+
+def _scheduling_router(spec: Mapping[str, Any]) -> Obj:
+    # The router needs no GPU; it tolerates the pool's taints so it may run beside the engines.
+    tolerations = spec.get("nodePool", {}).get("tolerations")
+    return {"tolerations": [dict(t) for t in tolerations]} if tolerations else {}
+
+
+def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[Obj]:
+    """Every child of `md`, given each phase's rendered runtime config text.
+
+    Each child carries a hash of itself, so the reconciler can tell a changed desire from an
+    unchanged one without a write (see apply.needs_apply).
+    """
+    children: list[Obj] = []
+    for phase in phases_of(md["spec"]):
+        children += [config_map(md, phase, configs[phase]),
+                     engine_deployment(md, phase, configs[phase]),
+                     engine_service(md, phase),
+                     disruption_budget(md, phase)]
+    children += router_children(md)
+    for child in children:
+        child["metadata"]["annotations"] = {c.ANNOTATION_DESIRED_HASH: stable_hash(child)}
+    return children

@@ -1,0 +1,82 @@
+"""Every name the operator shares with the cluster, the runtime and the RBAC chart, in one place."""
+
+from __future__ import annotations
+
+from tessera import API_GROUP, API_VERSION
+
+KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
+API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
+
+# One field manager for every server-side apply, so ownership of fields is stable across restarts.
+FIELD_MANAGER = "tessera-operator"
+
+# The phases a ModelDeployment can name; disaggregated mode uses the first two.
+PREFILL, DECODE, SINGLE = "prefill", "decode", "single"
+PHASES = (PREFILL, DECODE, SINGLE)
+ROUTER = "router"
+
+# Labels on every child and on every pod.
+LABEL_DEPLOYMENT = f"{API_GROUP}/deployment"
+LABEL_PHASE = f"{API_GROUP}/phase"  # prefill | decode | single | router
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "tessera"
+
+# Pod-template annotation: a hash of everything that shapes one phase's pods, so that a change
+# to one phase rolls only that phase.
+ANNOTATION_PHASE_HASH = f"{API_GROUP}/phase-hash"
+# Child annotation: a hash of the whole desired child, so a changed desire is always re-applied
+# even when the observed child still looks like a superset of it.
+ANNOTATION_DESIRED_HASH = f"{API_GROUP}/desired-hash"
+# The SGLang router reads a prefill pod's bootstrap port from this pod annotation.
+ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
+
+# Env keys the runtime reads (the downward API fills the POD_* ones).
+ENV_POD_NAME = "POD_NAME"
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
+ENV_POD_UID = "POD_UID"
+ENV_RUNTIME_CONFIG = "TESSERA_RUNTIME_CONFIG"
+
+CONFIG_MOUNT_DIR = "/etc/tessera"
+CONFIG_KEY = "runtime.json"
+
+# Ports (SGLang defaults).
+PORT_HTTP = 30000
+PORT_BOOTSTRAP = 8998
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# The Event the runtime posts when the KV page check aborts requests (issue: KV integrity).
+EVENT_REASON_KV_MISMATCH = "KVIntegrityMismatch"
+
+# Condition types, in the order they appear in status.
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+PRECISION_VALID = "PrecisionValid"
+CAPACITY_PLANNED = "CapacityPlanned"
+KV_INTEGRITY = "KVIntegrity"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, PRECISION_VALID, CAPACITY_PLANNED, KV_INTEGRITY)
+
+# Every API call the operator makes: (apiGroup, resource, verbs). Least-privilege RBAC is
+# derived from this table (docs/operator.md; the Helm chart), and nothing else may be called.
+RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (API_GROUP, PLURAL, ("get", "list", "watch")),
+    (API_GROUP, f"{PLURAL}/status", ("get", "patch")),
+    ("", "configmaps", ("get", "list", "watch", "create", "patch", "delete")),
+    ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
+    ("", "serviceaccounts", ("get", "list", "watch", "create", "patch", "delete")),
+    ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
+    ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
+    ("rbac.authorization.k8s.io", "roles", ("get", "list", "watch", "create", "patch", "delete")),
+    ("rbac.authorization.k8s.io", "rolebindings",
+     ("get", "list", "watch", "create", "patch", "delete")),
+    # Read by the operator for KVIntegrity; written for condition-change events.
+    ("", "events", ("get", "list", "watch", "create")),
+    ("events.k8s.io", "events", ("create",)),
+    # Granted onward to the router's ServiceAccount (worker discovery), so held here too.
+    ("", "pods", ("get", "list", "watch")),
+    # kopf: CRD discovery, namespace watching, peering between two operator replicas.
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
+    ("", "namespaces", ("get", "list", "watch")),
+    ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "create", "patch")),
+)

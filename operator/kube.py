@@ -1,0 +1,107 @@
+"""The thin adapter to the API server: apply, delete, list, patch status, post an event.
+
+Every call goes through here, and every (group, resource, verb) it uses is in
+constants.RBAC_RULES.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import kubernetes
+
+from tessera.operator import constants as c
+
+Obj = dict[str, Any]
+
+# Child kinds: (apiVersion, kind) -> plural resource name. All namespaced.
+CHILD_KINDS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+}
+USER_AGENT = "tessera-operator"
+
+
+def _collection(api_version: str, plural: str, namespace: str | None) -> str:
+    prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+
+
+def _path(obj: Obj) -> str:
+    plural = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+    meta = obj["metadata"]
+    return f"{_collection(obj['apiVersion'], plural, meta['namespace'])}/{meta['name']}"
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    """A client from the in-cluster service account, else from KUBECONFIG / ~/.kube/config."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    client = kubernetes.client.ApiClient()
+    client.user_agent = USER_AGENT
+    return client
+
+
+class Kube:
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self._client = client
+
+    def _call(self, method: str, path: str, body: Any = None,
+              query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> Any:
+        return self._client.call_api(
+            path, method, query_params=query or [], body=body,
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            response_type="object", auth_settings=["BearerToken"],
+            _return_http_data_only=True, _preload_content=True)
+
+    def apply(self, obj: Obj) -> Obj:
+        """Server-side apply under the one field manager; forced, so our fields win back."""
+        return self._call("PATCH", _path(obj), obj,
+                          [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
+                          "application/apply-patch+yaml")
+
+    def delete(self, obj: Obj) -> None:
+        try:
+            self._call("DELETE", _path(obj), {"propagationPolicy": "Background"})
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def list_children(self, api_version: str, kind: str) -> list[Obj]:
+        """Every child of this kind in the cluster (all namespaces), by our managed-by label."""
+        path = _collection(api_version, CHILD_KINDS[(api_version, kind)], None)
+        items = self._call("GET", path, query=[
+            ("labelSelector", f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")])["items"]
+        # List items come without apiVersion/kind; put them back so items look like watch events.
+        return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
+
+    def patch_status(self, md: Obj, patch: Obj) -> Obj:
+        meta = md["metadata"]
+        path = (f"{_collection(c.API_VERSION_FULL, c.PLURAL, meta['namespace'])}/"
+                f"{meta['name']}/status")
+        return self._call("PATCH", path, {"status": patch}, content_type=(
+            "application/merge-patch+json"))
+
+    def post_event(self, md: Obj, type_: str, reason: str, message: str) -> None:
+        meta = md["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": c.API_VERSION_FULL, "kind": c.KIND,
+                               "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta["uid"]},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": c.FIELD_MANAGER},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self._call("POST", _collection("v1", "events", meta["namespace"]), event)

@@ -1,0 +1,190 @@
+"""Status from the plan and the observed children (pure).
+
+Ready is True only when every phase and the router have all their replicas updated and ready;
+otherwise its message names each component that is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.operator import constants as c
+from tessera.operator.children import phases_of, router_endpoint
+from tessera.operator.conditions import (
+    FALSE,
+    TRUE,
+    UNKNOWN,
+    Condition,
+    make_condition,
+    merge_conditions,
+)
+from tessera.runtime.planner import DeploymentPlan, PlanError
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One observed Deployment, reduced to what status needs."""
+
+    desired: int
+    current: int  # pods of any template
+    ready: int
+    updated: int
+    synced: bool  # the Deployment controller has seen the latest spec
+    failure: str  # a Deployment condition's message when it reports a failure, else ""
+
+    @property
+    def complete(self) -> bool:
+        return (self.synced and self.updated >= self.desired and self.ready >= self.desired
+                and self.current == self.desired)
+
+    @property
+    def rolling(self) -> bool:
+        return not self.synced or self.updated < self.desired or self.current > self.desired
+
+
+def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
+    if deployment is None:
+        return None
+    spec, st = deployment.get("spec", {}), deployment.get("status", {})
+    failures = [cond.get("message", "") for cond in st.get("conditions", [])
+                if (cond.get("type") == "ReplicaFailure" and cond.get("status") == TRUE)
+                or cond.get("reason") == "ProgressDeadlineExceeded"]
+    return Workload(
+        desired=int(spec.get("replicas", 1)),
+        current=int(st.get("replicas", 0)),
+        ready=int(st.get("readyReplicas", 0)),
+        updated=int(st.get("updatedReplicas", 0)),
+        synced=st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
+        failure="; ".join(failures),
+    )
+
+
+def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,
+                    generation: int) -> list[Condition]:
+    """PrecisionValid and CapacityPlanned as the planner decides them; a spec it cannot read
+    at all fails CapacityPlanned with its reason and leaves PrecisionValid unknown."""
+    if plan is None:
+        assert error is not None
+        return [make_condition(c.PRECISION_VALID, UNKNOWN, "NotPlanned", str(error), generation),
+                make_condition(c.CAPACITY_PLANNED, FALSE, error.reason, str(error), generation)]
+    out = []
+    for type_ in (c.PRECISION_VALID, c.CAPACITY_PLANNED):
+        cond = plan.condition(type_)  # type: ignore[arg-type]
+        out.append(make_condition(type_, TRUE if cond.status else FALSE, cond.reason,
+                                  cond.message, generation))
+    return out
+
+
+def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
+                       generation: int) -> list[Condition]:
+    """Ready, Progressing and Degraded from each component's workload (None: not there yet)."""
+    if not planned:
+        why = "the spec was not admitted (see PrecisionValid and CapacityPlanned)"
+        return [make_condition(c.READY, FALSE, "NotAdmitted", why, generation),
+                make_condition(c.PROGRESSING, FALSE, "NotAdmitted", why, generation),
+                make_condition(c.DEGRADED, FALSE, "NotAdmitted", why, generation)]
+    missing = [name for name, w in workloads.items() if w is None]
+    present = {name: w for name, w in workloads.items() if w is not None}
+    unready = [f"{name} {w.ready}/{w.desired} ready" for name, w in present.items()
+               if not w.complete]
+    rolling = [name for name, w in present.items() if w.rolling]
+    failing = [f"{name}: {w.failure}" for name, w in present.items() if w.failure]
+    # Replicas lost outside a rollout (a crashed or evicted pod, a node gone).
+    short = [f"{name} {w.ready}/{w.desired} ready" for name, w in present.items()
+             if not w.rolling and w.ready < w.desired]
+
+    not_ready = [f"{name} not created" for name in missing] + unready
+    ready = (make_condition(c.READY, FALSE, "ComponentsNotReady", "; ".join(not_ready), generation)
+             if not_ready else
+             make_condition(c.READY, TRUE, "AllReady",
+                            "all phases and the router are ready", generation))
+    progressing = (
+        make_condition(c.PROGRESSING, TRUE, "RollingOut",
+                       "rolling out: " + ", ".join(missing + rolling), generation)
+        if missing or rolling else
+        make_condition(c.PROGRESSING, FALSE, "RolloutComplete", "every component is up to date",
+                       generation))
+    degraded = (make_condition(c.DEGRADED, TRUE, "ReplicasUnavailable",
+                               "; ".join(failing + short), generation)
+                if failing or short else
+                make_condition(c.DEGRADED, FALSE, "AsExpected", "no replica is missing",
+                               generation))
+    return [ready, progressing, degraded]
+
+
+def kv_integrity_condition(enabled: bool, mismatch_events: Sequence[Mapping[str, Any]],
+                           generation: int) -> Condition:
+    """From the runtime's KVIntegrityMismatch Events (Warning, involvedObject = the pod)."""
+    if not enabled:
+        return make_condition(c.KV_INTEGRITY, UNKNOWN, "Disabled",
+                              "spec.integrity.enabled is false: KV pages are not checked",
+                              generation)
+    if not mismatch_events:
+        return make_condition(c.KV_INTEGRITY, TRUE, "NoMismatches",
+                              "no KV page mismatch reported", generation)
+    latest = max(mismatch_events, key=_event_time)
+    pods = sorted({e.get("involvedObject", {}).get("name", "?") for e in mismatch_events})
+    occurrences = sum(int(e.get("count") or 1) for e in mismatch_events)
+    message = (f"{occurrences} mismatch report(s) from pod(s) {', '.join(pods)}; latest from "
+               f"{latest.get('involvedObject', {}).get('name', '?')}: {latest.get('message', '')}")
+    return make_condition(c.KV_INTEGRITY, FALSE, "MismatchesDetected", message, generation)
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(event.get("lastTimestamp") or event.get("eventTime")
+               or event.get("metadata", {}).get("creationTimestamp") or "")
+
+
+def _phase_status(phase_spec: Mapping[str, Any], workload: Workload | None,
+                  planned: Obj | None) -> Obj:
+    w = workload or Workload(int(phase_spec.get("replicas", 1)), 0, 0, 0, False, "")
+    # The planner's precision is the effective one (its defaults applied); without a plan,
+    # the spec's.
+    precision = planned["precision"] if planned else {
+        "weights": phase_spec["weights"].get("dtype", "bf16"),
+        "kvCache": phase_spec.get("kvCache", {}).get("dtype", "bf16")}
+    return {"replicas": w.desired, "readyReplicas": w.ready, "updatedReplicas": w.updated,
+            "precision": dict(precision)}
+
+
+def build_status(md: Mapping[str, Any], plan: DeploymentPlan | None, error: PlanError | None,
+                 workloads: Mapping[str, Workload | None],
+                 mismatch_events: Sequence[Mapping[str, Any]],
+                 now: str) -> tuple[Obj, list[Condition]]:
+    """The whole new status, and the conditions that changed since the old one.
+
+    `workloads` maps each phase and "router" to its observed Deployment (None: absent);
+    `plan` is None when the planner could not read the spec (then `error` says why).
+    """
+    spec, generation = md["spec"], md["metadata"].get("generation", 1)
+    old = md.get("status") or {}
+    admitted = plan is not None and plan.ok
+    conditions = [*rollout_conditions(workloads, admitted, generation),
+                  *plan_conditions(plan, error, generation),
+                  kv_integrity_condition(spec.get("integrity", {}).get("enabled", False),
+                                         mismatch_events, generation)]
+    merged, changed = merge_conditions(old.get("conditions", []), conditions, now)
+    phases = phases_of(spec)
+    status: Obj = {"observedGeneration": generation, "conditions": merged}
+    planned = plan.to_status() if plan is not None else {}
+    for phase in phases:
+        status[phase] = _phase_status(spec[phase], workloads.get(phase), planned.get(phase))
+    router = workloads.get(c.ROUTER)
+    status[c.ROUTER] = {"replicas": router.desired if router else
+                        int(spec.get("router", {}).get("replicas", 1)),
+                        "readyReplicas": router.ready if router else 0}
+    status["summary"] = {
+        "replicas": ", ".join(f"{p} {status[p]['readyReplicas']}/{status[p]['replicas']}"
+                              for p in phases),
+        "kvCache": " ".join(f"{p}={status[p]['precision']['kvCache']}" for p in phases),
+        "weights": " ".join(f"{p}={status[p]['precision']['weights']}" for p in phases),
+    }
+    if plan is not None:
+        status["plan"] = planned
+    if admitted:
+        status["endpoint"] = router_endpoint(md)
+    return status, changed
