@@ -160,9 +160,7 @@ def write_kv_fp8(
     quantize_rows(new, None, cache, slots, scale)
 
 
-def quantize_ref(
-    x: torch.Tensor, scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for one batch of rows ``[rows, heads, dim]``: (e4m3 rows, scales used).
 
     ``scale`` None: per (token, head) scales are computed; else the given per-tensor scale.

@@ -51,7 +51,9 @@ class PageTable:
         for name in ("indptr", "indices", "seq_lens"):
             t = getattr(self, name)
             if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {t.shape}")
+                raise ValueError(
+                    f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}"
+                )
         if self.indptr.numel() < self.seq_lens.numel() + 1:
             raise ValueError(
                 f"indptr needs batch + 1 = {self.seq_lens.numel() + 1} entries, "
