@@ -70,11 +70,26 @@ def _metadata(md: Mapping[str, Any], name: str, component: str) -> Obj:
     }
 
 
-def _downward_env() -> list[Obj]:
+def _runtime_env() -> list[Obj]:
+    """The pod's identity from the downward API (the runtime names itself in events) and
+    where its config is mounted."""
     fields = ((c.ENV_POD_NAME, "metadata.name"), (c.ENV_POD_NAMESPACE, "metadata.namespace"),
               (c.ENV_POD_UID, "metadata.uid"))
-    return [{"name": env, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
-            for env, path in fields]
+    return [*({"name": env, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+              for env, path in fields),
+            {"name": c.ENV_RUNTIME_CONFIG, "value": f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"}]
+
+
+def _models_volume(uri: str) -> Obj | None:
+    """pvc://claim/dir mounts the claim read-only; hf/s3/gs get scratch space to fetch into;
+    file:// needs nothing (the path is in the image or on the node)."""
+    scheme, _, rest = uri.partition("://")
+    if scheme == "file":
+        return None
+    if scheme == "pvc":
+        return {"name": "models", "persistentVolumeClaim": {"claimName": rest.split("/")[0],
+                                                            "readOnly": True}}
+    return {"name": "models", "emptyDir": {}}
 
 
 def _scheduling(spec: Mapping[str, Any]) -> Obj:
@@ -106,11 +121,14 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
     spec, name = md["spec"], md["metadata"]["name"]
     phase_spec = spec[phase]
     gpus = str(gpus_per_pod(phase_spec))
+    models_volume = _models_volume(phase_spec["weights"]["uri"])
+    uri_is_pvc = models_volume is not None and "persistentVolumeClaim" in models_volume
     labels = selector_labels(name, phase)
     # The runtime config is mounted, not part of the template: its hash in the template is what
     # rolls this phase's pods (and only this phase's) when its config changes.
     annotations = {c.ANNOTATION_PHASE_HASH: stable_hash(config_text)}
-    ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"}]
+    ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}]
     if phase == c.PREFILL:
         annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.PORT_BOOTSTRAP)
         ports.append({"name": "bootstrap", "containerPort": c.PORT_BOOTSTRAP, "protocol": "TCP"})
@@ -118,9 +136,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
         "name": "engine",
         "image": spec["engine"]["image"],
         "command": ["tessera-runtime"],
-        "args": ["serve", "--config", f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"],
-        "env": [*_downward_env(),
-                {"name": c.ENV_RUNTIME_CONFIG, "value": f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"}],
+        "env": _runtime_env(),
         "ports": ports,
         "resources": {"requests": {c.GPU_RESOURCE: gpus}, "limits": {c.GPU_RESOURCE: gpus}},
         # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can
@@ -129,7 +145,9 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
         "readinessProbe": _http_probe("/health", 10, 3),
         "livenessProbe": _http_probe("/health", 30, 5),
         "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
-                         {"name": "shm", "mountPath": "/dev/shm"}],
+                         {"name": "shm", "mountPath": "/dev/shm"},
+                         *([{"name": "models", "mountPath": c.MODELS_DIR, "readOnly": uri_is_pvc}]
+                           if models_volume else [])],
     }
     pod_spec = {
         **_scheduling(spec),
@@ -139,6 +157,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
              "configMap": {"name": child_name(name, phase, "config")}},
             # NCCL and SGLang's scheduler exchange tensors through shared memory.
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+            *([models_volume] if models_volume else []),
         ],
     }
     return {
@@ -187,68 +206,74 @@ def disruption_budget(md: Mapping[str, Any], component: str) -> Obj:
     }
 
 
-def router_children(md: Mapping[str, Any]) -> list[Obj]:
-    spec, name, namespace = md["spec"], md["metadata"]["name"], md["metadata"]["namespace"]
+def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
+    spec, name = md["spec"], md["metadata"]["name"]
     router = spec.get("router", {})
     port = int(router.get("port", 8000))
-    rname = child_name(name, c.ROUTER)
     labels = selector_labels(name, c.ROUTER)
-
-    def selector_args(phase: str) -> list[str]:
-        return [f"{k}={v}" for k, v in selector_labels(name, phase).items()]
-
-    discovery = ["--service-discovery", "--service-discovery-namespace", namespace,
-                 "--service-discovery-port", str(c.PORT_HTTP)]
-    if c.SINGLE in spec:
-        discovery += ["--selector", *selector_args(c.SINGLE)]
-    else:
-        discovery += ["--pd-disaggregation", "--prefill-selector", *selector_args(c.PREFILL),
-                      "--decode-selector", *selector_args(c.DECODE)]
     container = {
         "name": "router",
         "image": spec["engine"]["image"],
-        "command": ["python", "-m", "sglang_router.launch_router"],
-        "args": ["--host", "0.0.0.0", "--port", str(port),
-                 "--policy", router.get("policy", "cache_aware"), *discovery],
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "command": ["tessera-runtime"],
+        "env": _runtime_env(),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": c.PORT_ROUTER_METRICS, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/health", 5, 3),
         "livenessProbe": _http_probe("/health", 15, 4),
+        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True}],
     }
+    pod_spec: Obj = {
+        "serviceAccountName": child_name(name, c.ROUTER),
+        "containers": [container],
+        "volumes": [{"name": "config",
+                     "configMap": {"name": child_name(name, c.ROUTER, "config")}}],
+    }
+    # The router needs no GPU; it tolerates the pool's taints so it may run beside the engines.
+    if spec.get("nodePool", {}).get("tolerations"):
+        pod_spec["tolerations"] = [dict(t) for t in spec["nodePool"]["tolerations"]]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(md, child_name(name, c.ROUTER), c.ROUTER),
+        "spec": {
+            "replicas": int(router.get("replicas", 1)),
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                             "annotations": {c.ANNOTATION_PHASE_HASH: stable_hash(config_text)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def router_children(md: Mapping[str, Any], config_text: str) -> list[Obj]:
+    """The router: its config, a ServiceAccount that may discover the engine pods by label,
+    the Deployment, its Service (the endpoint) and a PodDisruptionBudget."""
+    spec, name, namespace = md["spec"], md["metadata"]["name"], md["metadata"]["namespace"]
+    rname = child_name(name, c.ROUTER)
+    meta = _metadata(md, rname, c.ROUTER)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(md, rname, c.ROUTER)},
+        config_map(md, c.ROUTER, config_text),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
          "metadata": _metadata(md, rname, c.ROUTER),
-         # The router discovers engine pods by label and follows their readiness.
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _metadata(md, rname, c.ROUTER),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
          "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}]},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": _metadata(md, rname, c.ROUTER),
-         "spec": {"replicas": int(router.get("replicas", 1)),
-                  "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": {**labels,
-                                                       c.LABEL_MANAGED_BY: c.MANAGED_BY}},
-                               "spec": {"serviceAccountName": rname,
-                                        **_scheduling_router(spec),
-                                        "containers": [container]}}}},
+        router_deployment(md, config_text),
         {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(md, rname, c.ROUTER),
-         "spec": {"selector": labels,
-                  "ports": [{"name": "http", "port": port, "targetPort": "http",
-                             "protocol": "TCP"}]}},
+         "spec": {"selector": selector_labels(name, c.ROUTER),
+                  "ports": [{"name": "http", "port": int(spec.get("router", {}).get("port", 8000)),
+                             "targetPort": "http", "protocol": "TCP"}]}},
         disruption_budget(md, c.ROUTER),
     ]
 
 
-def _scheduling_router(spec: Mapping[str, Any]) -> Obj:
-    # The router needs no GPU; it tolerates the pool's taints so it may run beside the engines.
-    tolerations = spec.get("nodePool", {}).get("tolerations")
-    return {"tolerations": [dict(t) for t in tolerations]} if tolerations else {}
-
-
 def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[Obj]:
-    """Every child of `md`, given each phase's rendered runtime config text.
+    """Every child of `md`, given the rendered config text of each phase and the router.
 
     Each child carries a hash of itself, so the reconciler can tell a changed desire from an
     unchanged one without a write (see apply.needs_apply).
@@ -259,7 +284,7 @@ def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[
                      engine_deployment(md, phase, configs[phase]),
                      engine_service(md, phase),
                      disruption_budget(md, phase)]
-    children += router_children(md)
+    children += router_children(md, configs[c.ROUTER])
     for child in children:
         child["metadata"]["annotations"] = {c.ANNOTATION_DESIRED_HASH: stable_hash(child)}
     return children

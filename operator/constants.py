@@ -39,10 +39,13 @@ ENV_RUNTIME_CONFIG = "TESSERA_RUNTIME_CONFIG"
 
 CONFIG_MOUNT_DIR = "/etc/tessera"
 CONFIG_KEY = "runtime.json"
+MODELS_DIR = "/models"
 
-# Ports (SGLang defaults).
+# Ports: SGLang's defaults, and the runtime config's defaults for the metrics exporters.
 PORT_HTTP = 30000
 PORT_BOOTSTRAP = 8998
+PORT_METRICS = 9400
+PORT_ROUTER_METRICS = 29000
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # The Event the runtime posts when the KV page check aborts requests (issue: KV integrity).

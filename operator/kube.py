@@ -10,7 +10,6 @@ import datetime
 from typing import Any
 
 import kubernetes
-
 from tessera.operator import constants as c
 
 Obj = dict[str, Any]

@@ -1,0 +1,93 @@
+"""kopf wiring: watch events feed the Store and trigger a reconcile of the owning deployment.
+
+Only raw watch events are used (no create/update handlers), so kopf keeps no state on our
+objects: no annotations, no finalizers, nothing written but what the reconciler decides.
+Decisions live in reconcile.decide; these handlers only route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+from tessera.operator import constants as c
+from tessera.operator.kube import CHILD_KINDS, Kube, new_api_client
+from tessera.operator.reconcile import Reconciler, Store
+from tessera.operator.render import render_configs
+
+from tessera import API_GROUP, API_VERSION
+
+log = logging.getLogger(__name__)
+
+# Set by `tessera operator run` before kopf starts.
+RESYNC_SECONDS = 60.0
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.enabled = False  # our own events only, and only on condition changes
+    store = Store()
+    kube = Kube(new_api_client())
+    # Fill the store before the watches start, so the first reconciles see existing children
+    # and a restarted operator does not re-apply what is already there.
+    for (api_version, kind) in CHILD_KINDS:
+        for obj in await asyncio.to_thread(kube.list_children, api_version, kind):
+            store.put(obj)
+    memo.reconciler = Reconciler(kube, store, render_configs)
+    memo.resync = asyncio.create_task(_resync_forever(memo.reconciler))
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync.cancel()
+
+
+async def _resync_forever(reconciler: Reconciler) -> None:
+    """Level-triggered safety net: re-decide every deployment; unchanged ones cost nothing."""
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        try:
+            busy = await asyncio.to_thread(reconciler.resync)
+            log.info("resync: %d deployment(s) needed requests", busy)
+        except Exception:  # a failed resync must not end the loop; the next one retries
+            log.exception("resync failed")
+
+
+def _route(memo: kopf.Memo, event: dict[str, Any], namespace: str, name: str) -> None:
+    store: Store = memo.reconciler.store
+    if event["type"] == "DELETED":
+        store.drop(event["object"])
+    else:
+        store.put(event["object"])
+    memo.reconciler.reconcile(namespace, name)
+
+
+@kopf.on.event(API_GROUP, API_VERSION, c.PLURAL)
+def on_model_deployment(event: dict[str, Any], memo: kopf.Memo, namespace: str, name: str,
+                        **_: Any) -> None:
+    _route(memo, event, namespace, name)
+
+
+def _on_child(event: dict[str, Any], memo: kopf.Memo, namespace: str, labels: dict[str, str],
+              **_: Any) -> None:
+    _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])
+
+
+for (_api_version, _kind), _plural in CHILD_KINDS.items():
+    _group, _, _version = _api_version.rpartition("/")
+    kopf.on.event(_group, _version, _plural, id=f"child-{_plural}",
+                  labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_DEPLOYMENT: kopf.PRESENT},
+                  )(_on_child)
+
+
+def _is_mismatch(body: kopf.Body, **_: Any) -> bool:
+    return body.get("reason") == c.EVENT_REASON_KV_MISMATCH
+
+
+@kopf.on.event("", "v1", "events", labels={c.LABEL_DEPLOYMENT: kopf.PRESENT}, when=_is_mismatch)
+def on_mismatch_event(event: dict[str, Any], memo: kopf.Memo, namespace: str,
+                      labels: dict[str, str], **_: Any) -> None:
+    """The runtime's KVIntegrityMismatch events decide the KVIntegrity condition."""
+    _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])

@@ -1,0 +1,173 @@
+"""One reconcile: decide (pure) what to apply, prune, write to status and announce; then do it.
+
+The reconciler reads only from the Store, an in-memory copy of the ModelDeployments, their
+children and the runtime's KVIntegrityMismatch events that the watch handlers keep current.
+So a reconcile with nothing to change makes no request at all, and a resync is cheap.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.operator import constants as c
+from tessera.operator.children import child_name, desired_children, phases_of
+from tessera.operator.conditions import Condition, event_type
+from tessera.operator.drift import needs_apply
+from tessera.operator.kube import Kube
+from tessera.operator.status import build_status, observe_workload
+from tessera.runtime.planner import DeploymentPlan, PlanError, plan_deployment
+
+Obj = dict[str, Any]
+Key = tuple[str, str, str]  # (kind, namespace, name)
+
+log = logging.getLogger(__name__)
+
+
+def key_of(obj: Mapping[str, Any]) -> Key:
+    meta = obj["metadata"]
+    return obj["kind"], meta.get("namespace", ""), meta["name"]
+
+
+def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether `a` is at least as new as `b` (resourceVersions compared where numeric)."""
+    ra, rb = a["metadata"].get("resourceVersion", ""), b["metadata"].get("resourceVersion", "")
+    return not (ra.isdigit() and rb.isdigit()) or int(ra) >= int(rb)
+
+
+@dataclass
+class Store:
+    """Thread-safe latest copies of ModelDeployments, their children and mismatch events."""
+
+    objects: dict[Key, Obj] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, obj: Obj) -> None:
+        k = key_of(obj)
+        with self._lock:
+            old = self.objects.get(k)
+            if old is None or _newer(obj, old):
+                self.objects[k] = obj
+
+    def drop(self, obj: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.objects.pop(key_of(obj), None)
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        with self._lock:
+            return self.objects.get((kind, namespace, name))
+
+    def owned_by(self, namespace: str, name: str) -> dict[Key, Obj]:
+        """Children and events labelled with this deployment's name."""
+        with self._lock:
+            return {k: o for k, o in self.objects.items()
+                    if k[1] == namespace and k[0] != c.KIND
+                    and o["metadata"].get("labels", {}).get(c.LABEL_DEPLOYMENT) == name}
+
+    def deployments(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(ns, name) for kind, ns, name in self.objects if kind == c.KIND]
+
+
+@dataclass(frozen=True)
+class Decision:
+    apply: list[Obj]
+    prune: list[Obj]
+    status_patch: Obj | None  # a JSON merge patch for .status; None: unchanged
+    events: list[Condition]  # conditions whose status or reason changed
+
+
+def plan_spec(spec: Mapping[str, Any]) -> tuple[DeploymentPlan | None, PlanError | None]:
+    try:
+        return plan_deployment(spec), None
+    except PlanError as e:
+        return None, e
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj | None:
+    """A merge patch turning `old` into `new` at the top level (None when equal)."""
+    if old == new:
+        return None
+    return {**{k: None for k in old if k not in new}, **new}
+
+
+def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj],
+           render_configs: Callable[[Mapping[str, Any], DeploymentPlan], dict[str, str]],
+           now: str) -> Decision:
+    """Everything one reconcile must do, from the parent and what it owns (pure)."""
+    meta, spec = md["metadata"], md["spec"]
+    children = {k: o for k, o in owned.items() if o["kind"] != "Event"}
+    mismatches = [o for o in owned.values() if o["kind"] == "Event"
+                  and o.get("reason") == c.EVENT_REASON_KV_MISMATCH]
+    plan, error = plan_spec(spec)
+    apply: list[Obj] = []
+    prune: list[Obj] = []
+    # A spec the plan refuses gets no children; one that turned bad keeps the children it
+    # has (a bad edit must not take a serving model down).
+    if plan is not None and plan.ok:
+        desired = desired_children(md, render_configs(md, plan))
+        apply = [d for d in desired if needs_apply(d, children.get(key_of(d)))]
+        wanted = {key_of(d) for d in desired}
+        prune = [o for k, o in children.items() if k not in wanted]
+    workloads = {component: observe_workload(
+        children.get(("Deployment", meta["namespace"], child_name(meta["name"], component))))
+        for component in (*phases_of(spec), c.ROUTER)}
+    status, changed = build_status(md, plan, error, workloads, mismatches, now)
+    return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Runs decide() for one deployment at a time and carries out the decision."""
+
+    def __init__(self, kube: Kube, store: Store,
+                 render_configs: Callable[[Mapping[str, Any], DeploymentPlan],
+                                          dict[str, str]]) -> None:
+        self.kube, self.store, self._render = kube, store, render_configs
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, namespace: str, name: str) -> Decision | None:
+        with self._lock(namespace, name):
+            md = self.store.get(c.KIND, namespace, name)
+            if md is None or md["metadata"].get("deletionTimestamp"):
+                return None  # gone or going: owner references garbage-collect the children
+            decision = decide(md, self.store.owned_by(namespace, name), self._render, _now())
+            self._carry_out(md, decision)
+            return decision
+
+    def _carry_out(self, md: Obj, decision: Decision) -> None:
+        for obj in decision.apply:
+            self.store.put(self.kube.apply(obj))  # write-through: the next decide sees it
+        for obj in decision.prune:
+            self.kube.delete(obj)
+            self.store.drop(obj)
+        if decision.status_patch is not None:
+            self.store.put(self.kube.patch_status(md, decision.status_patch))
+        for cond in decision.events:
+            self.kube.post_event(md, event_type(cond), cond["reason"],
+                                 f"{cond['type']} is {cond['status']}: {cond['message']}")
+        if decision.apply or decision.prune:
+            log.info("%s/%s: applied %d, pruned %d", md["metadata"]["namespace"],
+                     md["metadata"]["name"], len(decision.apply), len(decision.prune))
+
+    def resync(self) -> int:
+        """Reconcile every known deployment; returns how many made any request."""
+        busy = 0
+        for namespace, name in self.store.deployments():
+            decision = self.reconcile(namespace, name)
+            busy += bool(decision and (decision.apply or decision.prune or decision.events
+                                       or decision.status_patch))
+        return busy
+

@@ -1,0 +1,91 @@
+"""ModelDeployment spec + capacity plan -> the runtime's own config types (pure).
+
+tessera.runtime.config is the one contract with the pods; this module only fills it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tessera.operator import constants as c
+from tessera.operator.children import phases_of, selector_labels
+from tessera.runtime.config import (
+    FORMATS_FOR_DTYPE,
+    Discovery,
+    IntegrityConfig,
+    KVCacheConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PortsConfig,
+    RouterConfig,
+    RuntimeConfig,
+    WeightsConfig,
+)
+from tessera.runtime.planner import DeploymentPlan
+
+
+def checkpoint_path(uri: str) -> str:
+    """Where the checkpoint is inside the pod: pvc://claim/dir is mounted at /models/dir,
+    file:///dir is used in place, hf/s3/gs are fetched into /models."""
+    scheme, _, rest = uri.partition("://")
+    if scheme == "file":
+        return "/" + rest.lstrip("/")
+    if scheme == "pvc":
+        _, _, sub = rest.partition("/")
+        return f"{c.MODELS_DIR}/{sub}".rstrip("/")
+    return c.MODELS_DIR
+
+
+def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> RuntimeConfig:
+    spec, meta = md["spec"], md["metadata"]
+    raw = spec[phase]
+    planned = plan.phases[phase]
+    weights = raw["weights"]
+    return RuntimeConfig(
+        deployment=meta["name"],
+        namespace=meta["namespace"],
+        phase=phase,  # type: ignore[arg-type]
+        engine_version=spec["engine"].get("version", "0.5.23"),
+        model=ModelConfig(name=spec["model"]["name"], path=checkpoint_path(weights["uri"]),
+                          uri=weights["uri"], context_length=plan.context_length),
+        # Unset format: the first that can hold the dtype (int4: compressed-tensors).
+        weights=WeightsConfig(dtype=planned.spec.weights.dtype,  # type: ignore[arg-type]
+                              format=weights.get("format",
+                                                 FORMATS_FOR_DTYPE[planned.spec.weights.dtype][0]),
+                              group_size=weights.get("groupSize")),
+        kv_cache=KVCacheConfig(dtype=planned.spec.kv_dtype,  # type: ignore[arg-type]
+                               page_size=planned.spec.page_size),
+        parallel=ParallelConfig(tensor=planned.spec.tensor_parallel,
+                                expert=planned.spec.expert_parallel,
+                                attention_data=planned.spec.attention_data_parallel),
+        memory=MemoryConfig(mem_fraction_static=planned.mem_fraction_static,
+                            planned_weights_bytes_per_gpu=planned.weights_bytes_per_gpu,
+                            planned_kv_pool_bytes_per_gpu=planned.kv_pool_bytes_per_gpu),
+        ports=PortsConfig(http=c.PORT_HTTP, bootstrap=c.PORT_BOOTSTRAP),
+        integrity=IntegrityConfig(enabled=bool(spec.get("integrity", {}).get("enabled", False))),
+    )
+
+
+def router_config(md: Mapping[str, Any]) -> RouterConfig:
+    spec, meta = md["spec"], md["metadata"]
+    router = spec.get("router", {})
+    name = meta["name"]
+    single = c.SINGLE in spec
+    discovery = Discovery(
+        namespace=meta["namespace"], port=c.PORT_HTTP,
+        **({"single_selector": selector_labels(name, c.SINGLE)} if single else
+           {"prefill_selector": selector_labels(name, c.PREFILL),
+            "decode_selector": selector_labels(name, c.DECODE)}))
+    return RouterConfig(deployment=name, namespace=meta["namespace"],
+                        mode="single" if single else "disaggregated",
+                        port=int(router.get("port", 8000)),
+                        policy=router.get("policy", "cache_aware"), discovery=discovery)
+
+
+def render_configs(md: Mapping[str, Any], plan: DeploymentPlan) -> dict[str, str]:
+    """Config text per engine phase and for the router, keyed like the ConfigMaps."""
+    out = {phase: runtime_config(md, plan, phase).to_json() for phase in phases_of(md["spec"])}
+    out[c.ROUTER] = router_config(md).to_json()
+    return out
