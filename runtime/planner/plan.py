@@ -243,20 +243,14 @@ def compare_precisions(spec: Mapping[str, Any]) -> dict[str, list[PhasePlan]]:
 def _phase_rules(phase: PhaseSpec, arch: Architecture,
                  capability: tuple[int, int]) -> list[Finding]:
     out: list[Finding] = []
-    p, tp, ep, dp = phase.name, phase.tensor_parallel, phase.expert_parallel, \
-        phase.attention_data_parallel
+    p, ep = phase.name, phase.expert_parallel
 
     def parallel(message: str) -> None:
         out.append(Finding("error", "InvalidParallelism", f"{p}: {message}", CAPACITY))
 
-    if tp % ep:
-        parallel(f"expertParallel {ep} must divide tensorParallel {tp} (SGLang runs EP inside "
-                 "the TP group).")
-    if tp % dp:
-        parallel(f"attentionDataParallel {dp} must divide tensorParallel {tp}.")
     if arch.is_moe and arch.n_routed_experts % ep:
         parallel(f"expertParallel {ep} must divide the {arch.n_routed_experts} routed experts.")
-    if tp % dp == 0 and arch.num_attention_heads % phase.attention_tp:
+    if arch.num_attention_heads % phase.attention_tp:
         parallel(f"the {arch.num_attention_heads} attention heads do not split over "
                  f"{phase.attention_tp} attention-TP ranks; pick tensorParallel / "
                  "attentionDataParallel that divides them.")
@@ -279,9 +273,7 @@ def _phase_rules(phase: PhaseSpec, arch: Architecture,
             "error", "PageSizeUnsupported",
             f"{p}: models with a sparse-attention indexer run on SGLang's NSA backend, which "
             f"needs kvCache.pageSize 64 (got {phase.page_size}).", PRECISION))
-    if tp % ep == 0:
-        out += _alignment_rules(phase, arch)
-    return out
+    return out + _alignment_rules(phase, arch)
 
 
 def _alignment_rules(phase: PhaseSpec, arch: Architecture) -> list[Finding]:
@@ -391,15 +383,20 @@ def _phase_spec(name: str, raw: Any, arch: Architecture) -> PhaseSpec:
                                  or not 0 < fraction < 1):
         raise PlanError(f"{path}.memFractionStatic must be a number between 0 and 1 "
                         f"(exclusive), got {fraction!r}")
+    tp = _positive_int(raw, "tensorParallel", path, default=DEFAULT_TENSOR_PARALLEL)
+    ep = _positive_int(raw, "expertParallel", path, default=DEFAULT_EXPERT_PARALLEL)
+    dp = _positive_int(raw, "attentionDataParallel", path,
+                       default=DEFAULT_ATTENTION_DATA_PARALLEL)
+    for key, n in (("expertParallel", ep), ("attentionDataParallel", dp)):
+        if tp % n:
+            raise PlanError(f"{path}.{key} {n} must divide tensorParallel {tp}: SGLang runs it "
+                            "inside the tensor-parallel group")
     return PhaseSpec(
         name=name,
         replicas=_positive_int(raw, "replicas", path, default=DEFAULT_REPLICAS, minimum=0),
-        tensor_parallel=_positive_int(raw, "tensorParallel", path,
-                                      default=DEFAULT_TENSOR_PARALLEL),
-        expert_parallel=_positive_int(raw, "expertParallel", path,
-                                      default=DEFAULT_EXPERT_PARALLEL),
-        attention_data_parallel=_positive_int(raw, "attentionDataParallel", path,
-                                              default=DEFAULT_ATTENTION_DATA_PARALLEL),
+        tensor_parallel=tp,
+        expert_parallel=ep,
+        attention_data_parallel=dp,
         weights=scheme,
         kv_dtype=kv_dtype,
         page_size=_positive_int(kv, "pageSize", f"{path}.kvCache", default=DEFAULT_PAGE_SIZE),

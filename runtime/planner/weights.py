@@ -130,11 +130,14 @@ def model_tensors(arch: Architecture, with_mtp: bool = False) -> list[Tensor]:
     out += _decoder_layers(arch, layers, arch.dense_layers)
     if with_mtp and arch.num_nextn_predict_layers:
         n = arch.num_nextn_predict_layers
-        # DeepSeek V3 MTP module: a full MoE decoder layer plus eh_proj (h x 2h) and the
-        # enorm / hnorm / shared-head norm; embedding and lm_head are shared with the model.
+        # DeepSeek V3 MTP module (its README_WEIGHTS.md): a full MoE decoder layer, eh_proj
+        # (h x 2h), enorm / hnorm / shared-head norm, and copies of the embedding and output
+        # head that the checkpoint stores again (671B main + 14B MTP = 685B on disk).
         out += _decoder_layers(arch, n, 0)
         out += [Tensor(Module.ATTENTION, h, 2 * h, n, Shard.REPLICATED),
-                Tensor(Module.NORM, 1, h, 3 * n, Shard.REPLICATED)]
+                Tensor(Module.NORM, 1, h, 3 * n, Shard.REPLICATED),
+                Tensor(Module.EMBEDDING, arch.vocab_size, h, n, Shard.TP),
+                Tensor(Module.LM_HEAD, arch.vocab_size, h, n, Shard.TP)]
     return out
 
 
