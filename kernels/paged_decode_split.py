@@ -1,0 +1,352 @@
+"""Split-KV (flash-decoding) paged decode attention: the core under the BF16 and FP8 siblings.
+
+Use ``paged_decode_bf16`` / ``paged_decode_fp8`` (and their MLA forms); this module holds what
+they share: the two Triton kernels, the split plan and the launch.
+
+Stage 1, one program per (request, KV head, block of query heads, split of the context):
+for the split's tokens ``n`` (gathered page by page through the page table),
+``s[h, n] = (q[h] . k[n]) * k_scale[n] * sm_scale``, then an online softmax over ``n`` and
+``o[h] = sum_n p[h, n] * v_scale[n] * v[n] / sum_n p[h, n]``, written with its
+``lse[h] = log2 sum_n 2^(s[h, n] log2 e)``.
+Stage 2, one program per (request, query head): ``out = sum_s 2^(lse_s - m) o_s / sum_s
+2^(lse_s - m)`` with ``m = max_s lse_s``.
+
+FP8 pages are widened to fp16 (one instruction per two values on Hopper) and multiplied with
+an fp16 query; the per-token scales are applied to the fp32 scores and to the probabilities,
+never to the tile. MLA (absorbed form): one KV head of ``D + D_ROPE`` dims; V is the first ``D``
+dims of the same tile, so each token is read once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_kv import PageTable
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # tokens per tile
+    block_h: int  # query heads per program (padded to 16 for the tensor cores)
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(head_dim: int, group: int, mla: bool) -> DecodeConfig:
+    """Tile sizes for a head shape."""
+    block_h = 16 if mla else max(16, triton.next_power_of_2(group))
+    if mla:
+        return DecodeConfig(block_n=32, block_h=block_h, num_warps=4, num_stages=2)
+    block_n = 64 if head_dim <= 128 else 32
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
+
+
+def plan_splits(programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """How many splits of the context: enough programs to fill the GPU about four times over,
+    and at least four tiles in each split so the loads can pipeline."""
+    by_occupancy = triton.cdiv(4 * num_sms, max(programs, 1))
+    by_length = triton.cdiv(max(max_seq_len, 1), 4 * block_n)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
+@triton.jit
+def _dot(a, b, WIDEN: tl.constexpr):
+    """``a @ b`` in fp32; WIDEN upcasts first (the Triton interpreter gets 16-bit dots wrong)."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _split_kernel(
+    Q,
+    K,
+    V,
+    K_SCALE,
+    V_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    num_kv_heads,
+    head_blocks,
+    group_size,
+    stride_qb,
+    stride_qh,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_slot,
+    stride_vs_head,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: tl.constexpr,
+    ENTRIES_PER_PAGE: tl.constexpr,
+    D: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    hb = pid % head_blocks
+    kvh = (pid // head_blocks) % num_kv_heads
+    b = pid // (head_blocks * num_kv_heads)
+
+    in_group = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = in_group < group_size
+    heads = kvh * group_size + in_group
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    row = tl.load(indptr + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    compute_dtype = tl.float16 if FP8 else Q.dtype.element_ty
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_ptr + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(compute_dtype)
+    if D_ROPE > 0:
+        offs_r = D + tl.arange(0, D_ROPE)
+        q_rope = tl.load(q_ptr + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+        q_rope = q_rope.to(compute_dtype)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    k_base = K + kvh * stride_k_head
+    v_base = V + kvh * stride_v_head
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        entry = tl.load(
+            indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
+        ).to(tl.int64)
+        slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+
+        k = tl.load(
+            k_base + slot[:, None] * stride_k_slot + offs_d[None, :],
+            mask=mask_n[:, None],
+            other=0.0,
+        ).to(compute_dtype)
+        s = _dot(q, tl.trans(k), WIDEN_DOT)
+        if D_ROPE > 0:
+            k_rope = tl.load(
+                k_base + slot[:, None] * stride_k_slot + offs_r[None, :],
+                mask=mask_n[:, None],
+                other=0.0,
+            ).to(compute_dtype)
+            s += _dot(q_rope, tl.trans(k_rope), WIDEN_DOT)
+        if FP8:
+            k_scale = tl.load(
+                K_SCALE + slot * stride_ks_slot + kvh * stride_ks_head, mask=mask_n, other=0.0
+            )
+            s *= k_scale[None, :]
+        s = tl.where(mask_n[None, :], s * sm_scale_log2e, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(
+                v_base + slot[:, None] * stride_v_slot + offs_dv[None, :],
+                mask=mask_n[:, None],
+                other=0.0,
+            ).to(compute_dtype)
+        if FP8:
+            if V_FROM_K:
+                v_scale = k_scale
+            else:
+                v_scale = tl.load(
+                    V_SCALE + slot * stride_vs_slot + kvh * stride_vs_head, mask=mask_n, other=0.0
+                )
+            # Scale p by v_scale relative to the tile's largest, so fp16 p keeps its precision.
+            v_top = tl.max(v_scale, axis=0)
+            pv = (p * (v_scale / v_top)[None, :]).to(compute_dtype)
+            acc = acc * alpha[:, None] + _dot(pv, v, WIDEN_DOT) * v_top
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(compute_dtype), v, WIDEN_DOT)
+        m = m_new
+
+    empty = l == 0.0  # a split past the request's end
+    l = tl.where(empty, 1.0, l)
+    out = acc / l[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log2(l))
+    part = part_out + b * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(part[:, None] + offs_dv[None, :], out, mask=mask_h[:, None])
+    tl.store(part_lse + (b * stride_pb + heads * stride_ph) // DV + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out,
+    part_lse,
+    out,
+    num_heads,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_ob,
+    stride_oh,
+    DV: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_dv = tl.arange(0, DV)
+    lse_base = part_lse + (b * stride_pb + h * stride_ph) // DV
+    lse = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty request: every weight below is 0
+    weight = tl.exp2(lse - m)
+    total = tl.sum(weight, axis=0)
+    acc = tl.zeros([DV], tl.float32)
+    base = part_out + b * stride_pb + h * stride_ph
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_base + s) - m)
+        acc += w * tl.load(base + s * stride_ps + offs_dv)
+    result = tl.where(total > 0.0, acc / total, 0.0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_dv, result.to(out.dtype.element_ty))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    table: PageTable,
+    sm_scale: float,
+    *,
+    rope_dim: int,
+    max_seq_len: int | None,
+    out: torch.Tensor | None,
+    config: DecodeConfig | None,
+) -> torch.Tensor:
+    """Launch both stages. Rows are flat ``[num_slots, kv_heads, dim]`` caches (already checked by
+    the callers); ``v_rows is k_rows`` selects the MLA form; ``scales`` are FP8's
+    ``[num_slots, kv_heads]`` (K, V) scale views, or None for BF16."""
+    batch, num_heads, qk_dim = q.shape
+    num_kv_heads = k_rows.shape[1]
+    v_from_k = v_rows is k_rows
+    dim = qk_dim - rope_dim
+    dv = dim if v_from_k else v_rows.shape[2]
+    if q.stride(-1) != 1:
+        raise ValueError("q's last dim must be contiguous")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if table.batch_size != batch:
+        raise ValueError(f"q has {batch} requests but the page table {table.batch_size}")
+    for name, d in (("qk head dim", dim), ("v head dim", dv)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {d}")
+    group = num_heads // num_kv_heads
+    cfg = config or pick_config(dim, group, v_from_k)
+    head_blocks = triton.cdiv(group, cfg.block_h)
+    if max_seq_len is None:
+        max_seq_len = int(table.seq_lens.max()) if batch else 0  # a host sync
+    programs = batch * num_kv_heads * head_blocks
+    splits = plan_splits(programs, max_seq_len, cfg.block_n, num_sms(q.device))
+
+    if out is None:
+        out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (batch, num_heads, dv) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+    part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
+    _split_kernel[(programs, splits)](
+        q,
+        k_rows,
+        v_rows,
+        k_scale,
+        v_scale,
+        table.seq_lens,
+        table.indptr,
+        table.indices,
+        part_out,
+        part_lse,
+        sm_scale * LOG2E,
+        splits,
+        num_kv_heads,
+        head_blocks,
+        group,
+        q.stride(0),
+        q.stride(1),
+        k_rows.stride(0),
+        k_rows.stride(1),
+        v_rows.stride(0),
+        v_rows.stride(1),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        v_scale.stride(0),
+        v_scale.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        PAGE_SIZE=table.page_size,
+        ENTRIES_PER_PAGE=table.entries_per_page,
+        D=dim,
+        D_ROPE=rope_dim,
+        DV=dv,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        FP8=scales is not None,
+        V_FROM_K=v_from_k,
+        WIDEN_DOT=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _merge_kernel[(batch, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        num_heads,
+        splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        out.stride(0),
+        out.stride(1),
+        DV=dv,
+        SPLITS_P2=triton.next_power_of_2(splits),
+        num_warps=4 if dv >= 256 else 2,
+    )
+    return out
