@@ -34,10 +34,13 @@ from dataclasses import dataclass
 MiB = 1 << 20
 GiB = 1 << 30
 
-# Memory the process holds before the weights load (CUDA context, NCCL communicators and
-# the torch allocator's first blocks). An assumption, the same for every model; SGLang
-# measures it at start-up as the free memory it calls pre_model_load_memory.
-RUNTIME_OVERHEAD_BYTES = 1 * GiB
+# GPU memory not free when the weights start to load, against the nominal `memoryGiB`; the
+# same for every model. Measured on an H200 (nominal 141 GiB; driver 580, torch 2.11): CUDA
+# reports 139.80 GiB total (nvidia-smi 143771 MiB), and the CUDA context plus cuBLAS hold
+# 0.58 GiB more after the first matmul: 1.78 GiB. NCCL communicators (TP > 1) add an
+# unmeasured amount, hence 2 GiB. SGLang measures the real value at start-up (its
+# pre_model_load_memory).
+UNUSABLE_BEFORE_LOAD_BYTES = 2 * GiB
 
 SERVER_MODES = ("prefill", "decode", "single")
 
@@ -96,11 +99,10 @@ def engine_defaults(gpu_memory_mib: float, tp: int, attention_dp: int, mode: str
     return EngineDefaults(chunked, max_bs, reserved, fraction)
 
 
-def kv_pool_bytes(gpu_memory_bytes: int, mem_fraction_static: float,
-                  weight_bytes: int) -> int:
-    """Bytes left for the KV pool on one GPU; negative when the weights do not fit."""
-    free_before_load = gpu_memory_bytes - RUNTIME_OVERHEAD_BYTES
-    return int(free_before_load * mem_fraction_static) - weight_bytes
+def static_budget_bytes(gpu_memory_bytes: int, mem_fraction_static: float) -> int:
+    """Bytes for weights plus KV pool on one GPU: SGLang's free memory before the weights
+    load times mem_fraction_static."""
+    return int((gpu_memory_bytes - UNUSABLE_BEFORE_LOAD_BYTES) * mem_fraction_static)
 
 
 def pool_tokens(pool_bytes: int, bytes_per_token: int, page_size: int) -> int:

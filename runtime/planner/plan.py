@@ -17,8 +17,8 @@ from tessera.runtime.planner.architecture import Architecture, resolve_architect
 from tessera.runtime.planner.engine import (
     GiB,
     engine_defaults,
-    kv_pool_bytes,
     pool_tokens,
+    static_budget_bytes,
 )
 from tessera.runtime.planner.errors import PlanError
 from tessera.runtime.planner.kv import KV_DTYPES, kv_bytes_per_token_per_gpu
@@ -190,7 +190,8 @@ def plan_phase(arch: Architecture, phase: PhaseSpec, context_length: int,
     weights = weight_bytes_per_gpu(arch, phase.weights, phase.tensor_parallel,
                                    phase.attention_data_parallel)
     per_token = kv_bytes_per_token_per_gpu(arch, phase.kv_dtype, phase.attention_tp)
-    pool = kv_pool_bytes(gpu_memory_bytes, fraction, weights)
+    budget = static_budget_bytes(gpu_memory_bytes, fraction)
+    pool = budget - weights
     # Each attention-DP rank has its own pool; within one, MLA latents are replicated and GQA
     # heads are split, so per_token already is one GPU's share of a token.
     tokens = pool_tokens(pool, per_token, phase.page_size) * phase.attention_data_parallel
@@ -305,14 +306,15 @@ def _alignment_rules(phase: PhaseSpec, arch: Architecture) -> list[Finding]:
 
 def _capacity_findings(plan: PhasePlan, memory_bytes: int) -> list[Finding]:
     s = plan.spec
-    budget = _gib(memory_bytes * plan.mem_fraction_static)
     if not plan.weights_fit:
+        budget = static_budget_bytes(memory_bytes, plan.mem_fraction_static)
         return [Finding(
             "error", "InsufficientGPUMemory",
             f"{s.name}: weights need {_gib(plan.weights_bytes_per_gpu)} GiB per GPU but the "
-            f"static budget is {budget} GiB (memFractionStatic {plan.mem_fraction_static} of "
-            f"{_gib(memory_bytes)} GiB), leaving nothing for the KV cache; raise "
-            "tensorParallel or use smaller weights (fp8, int4).", CAPACITY)]
+            f"static budget is {_gib(budget)} GiB (memFractionStatic "
+            f"{plan.mem_fraction_static} of what is free on a {_gib(memory_bytes)} GiB GPU), "
+            "leaving nothing for the KV cache; raise tensorParallel or use smaller weights "
+            "(fp8, int4).", CAPACITY)]
     if not plan.fits:
         return [Finding(
             "error", "ContextExceedsKVCache",

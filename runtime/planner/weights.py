@@ -62,6 +62,9 @@ class Shard(StrEnum):
     REPLICATED = "replicated"  # every GPU holds it all
     ATTENTION_TP = "attentionTP"  # split over the attention-TP group (TP / attention DP)
     TP = "tp"  # split over all TP ranks (experts: EP x MoE-TP = TP)
+    # The input embedding: split over all TP ranks, but whole on every GPU once attention
+    # data parallel is on (SGLang: VocabParallelEmbedding(enable_tp=not dp_attention)).
+    VOCAB = "vocab"
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def matrix_bytes(rows: int, cols: int, dtype: str, group_size: int = 128,
 def model_tensors(arch: Architecture, with_mtp: bool = False) -> list[Tensor]:
     """Every weight matrix of `arch` (vectors are 1-row matrices)."""
     h, layers = arch.hidden_size, arch.num_hidden_layers
-    out = [Tensor(Module.EMBEDDING, arch.vocab_size, h, 1, Shard.TP),
+    out = [Tensor(Module.EMBEDDING, arch.vocab_size, h, 1, Shard.VOCAB),
            Tensor(Module.NORM, 1, h, 1, Shard.REPLICATED)]  # final norm
     if not arch.tie_word_embeddings:
         out.append(Tensor(Module.LM_HEAD, arch.vocab_size, h, 1, Shard.TP))
@@ -136,7 +139,7 @@ def model_tensors(arch: Architecture, with_mtp: bool = False) -> list[Tensor]:
         out += _decoder_layers(arch, n, 0)
         out += [Tensor(Module.ATTENTION, h, 2 * h, n, Shard.REPLICATED),
                 Tensor(Module.NORM, 1, h, 3 * n, Shard.REPLICATED),
-                Tensor(Module.EMBEDDING, arch.vocab_size, h, n, Shard.TP),
+                Tensor(Module.EMBEDDING, arch.vocab_size, h, n, Shard.VOCAB),
                 Tensor(Module.LM_HEAD, arch.vocab_size, h, n, Shard.TP)]
     return out
 
@@ -200,7 +203,8 @@ def _attention(arch: Architecture) -> list[tuple[Module, int, int, int, Shard, i
 
 def shards(tensor: Tensor, tp: int, attention_dp: int) -> int:
     """How many ways `tensor` is split over one replica's GPUs."""
-    n = {Shard.REPLICATED: 1, Shard.ATTENTION_TP: tp // attention_dp, Shard.TP: tp}[tensor.shard]
+    n = {Shard.REPLICATED: 1, Shard.ATTENTION_TP: tp // attention_dp, Shard.TP: tp,
+         Shard.VOCAB: tp if attention_dp == 1 else 1}[tensor.shard]
     return min(n, tensor.max_shards) if tensor.max_shards else n
 
 

@@ -19,7 +19,7 @@ from tessera.runtime.planner import (
 )
 from tessera.runtime.planner import plan as plan_module
 from tessera.runtime.planner.engine import (
-    RUNTIME_OVERHEAD_BYTES,
+    UNUSABLE_BEFORE_LOAD_BYTES,
     GiB,
     engine_defaults,
     prefill_graph_sizes,
@@ -95,7 +95,7 @@ def test_small_mla_phase_plan_by_hand():
     arch = resolve_architecture(None, SMALL_MLA)
     phase = plan_module.PhaseSpec("decode", 1, 2, 1, 1, WeightScheme.of("bf16"), "bf16", 64, 0.5)
     plan = plan_phase(arch, phase, context_length=1000, gpu_memory_bytes=3 * GiB)
-    pool = (3 * GiB - RUNTIME_OVERHEAD_BYTES) // 2 - 87872
+    pool = (3 * GiB - UNUSABLE_BEFORE_LOAD_BYTES) // 2 - 87872
     assert plan.kv_pool_bytes_per_gpu == pool
     tokens = pool // 160 // 64 * 64  # whole pages of 64
     assert plan.kv_tokens_per_replica == tokens
@@ -113,6 +113,10 @@ def test_attention_data_parallel_multiplies_pools():
     assert four.weights_bytes_per_gpu > one.weights_bytes_per_gpu
     per_gpu = four.kv_pool_bytes_per_gpu // 160 // 64 * 64
     assert four.kv_tokens_per_replica == 4 * per_gpu
+    # attention DP keeps the input embedding whole on every GPU (6400 params, vs 1600 at TP 4)
+    # and the attention matrices too: q_b, kv_b and o_proj (2 x 5120 params) lose their split
+    assert four.weights_bytes_per_gpu - one.weights_bytes_per_gpu == 2 * (
+        6400 - 1600 + (2 * 5120 - 2 * 5120 // 4))
 
 
 # ---------------------------------------------------------------- hand-computed: small GQA
@@ -259,7 +263,8 @@ def test_weights_that_do_not_fit_give_the_numbers():
     plan = plan_deployment(spec(single={"weights": {"dtype": "bf16"}}))
     cond = plan.condition("CapacityPlanned")
     assert not cond.status and cond.reason == "InsufficientGPUMemory"
-    assert "240.76 GiB" in cond.message and "0.887" in cond.message
+    for number in ("240.76 GiB", "0.887", "141.0 GiB GPU"):
+        assert number in cond.message
     single = plan.phases["single"]
     assert (single.kv_pool_bytes_per_gpu, single.kv_tokens_per_replica, single.fits) == (
         0, 0, False)
