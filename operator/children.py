@@ -92,11 +92,12 @@ def _models_volume(uri: str) -> Obj | None:
     return {"name": "models", "emptyDir": {}}
 
 
-def _scheduling(spec: Mapping[str, Any]) -> Obj:
+def _scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
     pool = spec.get("nodePool", {})
     out: Obj = {}
-    if pool.get("nodeSelector"):
-        out["nodeSelector"] = dict(pool["nodeSelector"])
+    selector = {**pool.get("nodeSelector", {}), **spec[phase].get("nodeSelector", {})}
+    if selector:
+        out["nodeSelector"] = selector
     if pool.get("tolerations"):
         out["tolerations"] = [dict(t) for t in pool["tolerations"]]
     return out
@@ -150,7 +151,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
                            if models_volume else [])],
     }
     pod_spec = {
-        **_scheduling(spec),
+        **_scheduling(spec, phase),
         "containers": [container],
         "volumes": [
             {"name": "config",

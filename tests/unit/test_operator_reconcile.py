@@ -1,0 +1,153 @@
+"""decide(): one reconcile's whole decision, from a parent and what the cluster holds."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tessera.operator import constants as c
+from tessera.operator.reconcile import Decision, Key, decide, key_of, status_patch
+from tessera.operator.render import render_configs
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-kimi-k2" / "modeldeployment.yaml"
+NOW = "2026-01-01T00:00:00Z"
+
+
+def kimi() -> dict[str, Any]:
+    md = yaml.safe_load(EXAMPLE.read_text())
+    md["metadata"].update(namespace="llm", uid="uid-1", generation=1)
+    return md
+
+
+def as_stored(obj: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+    """What the API server hands back: our fields plus defaults and server-owned ones."""
+    out = copy.deepcopy(obj)
+    out["metadata"].update(uid="child-uid", resourceVersion="7", generation=1)
+    if obj["kind"] == "Deployment":
+        out["spec"]["revisionHistoryLimit"] = 10
+        out["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
+        n = obj["spec"]["replicas"]
+        out["status"] = {"observedGeneration": 1, "replicas": n,
+                         "readyReplicas": n if ready else 0, "updatedReplicas": n}
+    if obj["kind"] == "Service" and obj["spec"].get("clusterIP") != "None":
+        out["spec"]["clusterIP"] = "10.0.0.12"
+    return out
+
+
+def converge(md: dict[str, Any], ready: bool) -> tuple[dict[str, Any], dict[Key, Any]]:
+    """Apply a first decision as the cluster would; return the parent and its children."""
+    first = decide(md, {}, render_configs, NOW)
+    owned = {key_of(o): as_stored(o, ready) for o in first.apply}
+    after = decide(md, owned, render_configs, NOW)
+    assert after.status_patch is not None
+    md = {**md, "status": {k: v for k, v in after.status_patch.items() if v is not None}}
+    return md, owned
+
+
+def conditions(decision: Decision) -> dict[str, tuple[str, str]]:
+    assert decision.status_patch is not None
+    return {x["type"]: (x["status"], x["reason"]) for x in decision.status_patch["conditions"]}
+
+
+def test_a_new_deployment_gets_every_child_and_a_status() -> None:
+    decision = decide(kimi(), {}, render_configs, NOW)
+    assert len(decision.apply) == 15 and decision.prune == []
+    got = conditions(decision)
+    assert got["Ready"] == ("False", "ComponentsNotReady")
+    assert got["PrecisionValid"] == ("True", "PrecisionSupported")
+    assert got["KVIntegrity"] == ("True", "NoMismatches")
+    assert decision.status_patch is not None
+    assert decision.status_patch["observedGeneration"] == 1
+    assert {x["type"] for x in decision.events} == set(c.CONDITION_TYPES)
+
+
+def test_ready_once_every_deployment_is_ready() -> None:
+    md, owned = converge(kimi(), ready=True)
+    assert md["status"]["summary"] == {"replicas": "prefill 1/1, decode 2/2",
+                                       "kvCache": "prefill=fp8_e4m3 decode=fp8_e4m3",
+                                       "weights": "prefill=fp8 decode=int4"}
+    assert md["status"]["endpoint"] == "http://kimi-k2-router.llm.svc:8000/v1"
+    got = {x["type"]: x["status"] for x in md["status"]["conditions"]}
+    assert got["Ready"] == "True" and got["Progressing"] == "False"
+
+
+def test_nothing_changed_means_nothing_to_do() -> None:
+    md, owned = converge(kimi(), ready=True)
+    again = decide(md, owned, render_configs, "2026-01-01T01:00:00Z")
+    assert again == Decision(apply=[], prune=[], status_patch=None, events=[])
+
+
+def test_a_child_edited_by_hand_is_reapplied_alone() -> None:
+    md, owned = converge(kimi(), ready=True)
+    key = ("Deployment", "llm", "kimi-k2-decode")
+    owned[key]["spec"]["replicas"] = 5
+    owned[("Service", "llm", "kimi-k2-router")]["metadata"]["labels"]["team"] = "x"  # not ours
+    decision = decide(md, owned, render_configs, NOW)
+    assert [key_of(o) for o in decision.apply] == [key]
+
+
+def test_a_deleted_child_is_recreated() -> None:
+    md, owned = converge(kimi(), ready=True)
+    del owned[("ConfigMap", "llm", "kimi-k2-prefill-config")]
+    decision = decide(md, owned, render_configs, NOW)
+    assert [key_of(o) for o in decision.apply] == [("ConfigMap", "llm", "kimi-k2-prefill-config")]
+
+
+def test_a_child_no_longer_wanted_is_pruned() -> None:
+    md, owned = converge(kimi(), ready=True)
+    stray = {"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "kimi-k2-old", "namespace": "llm",
+                          "labels": {c.LABEL_DEPLOYMENT: "kimi-k2"}}}
+    owned[key_of(stray)] = stray
+    assert decide(md, owned, render_configs, NOW).prune == [stray]
+
+
+def test_a_kv_dtype_pair_the_transfer_cannot_carry_gets_no_children() -> None:
+    md = kimi()
+    md["spec"]["prefill"]["kvCache"]["dtype"] = "bf16"
+    decision = decide(md, {}, render_configs, NOW)
+    assert decision.apply == [] and decision.prune == []
+    got = conditions(decision)
+    assert got["PrecisionValid"] == ("False", "KVCacheDtypeMismatch")
+    assert got["Ready"] == ("False", "NotAdmitted")
+    assert decision.status_patch is not None and "endpoint" not in decision.status_patch
+
+
+def test_weights_that_do_not_fit_get_capacity_planned_false() -> None:
+    md = kimi()
+    md["spec"]["decode"]["weights"] = {"dtype": "bf16", "uri": "hf://moonshotai/Kimi-K2"}
+    md["spec"]["decode"]["kvCache"]["dtype"] = "fp8_e4m3"
+    decision = decide(md, {}, render_configs, NOW)
+    assert decision.apply == []
+    assert conditions(decision)["CapacityPlanned"] == ("False", "InsufficientGPUMemory")
+
+
+def test_a_spec_turned_bad_keeps_the_running_children() -> None:
+    md, owned = converge(kimi(), ready=True)
+    md["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
+    md["metadata"]["generation"] = 2
+    decision = decide(md, owned, render_configs, NOW)
+    assert decision.apply == [] and decision.prune == []
+    got = conditions(decision)
+    assert got["PrecisionValid"] == ("False", "KVCacheDtypeMismatch")
+    assert {x["type"] for x in decision.events} == {"Ready", "Progressing", "Degraded",
+                                                    "PrecisionValid"}
+
+
+def test_mismatch_events_turn_kv_integrity_false() -> None:
+    md, owned = converge(kimi(), ready=True)
+    ev = {"kind": "Event", "reason": c.EVENT_REASON_KV_MISMATCH, "type": "Warning", "count": 1,
+          "message": "1 request aborted", "involvedObject": {"kind": "Pod", "name": "dec-0"},
+          "metadata": {"name": "e1", "namespace": "llm", "labels": {c.LABEL_DEPLOYMENT: "kimi-k2"}}}
+    owned[key_of(ev)] = ev
+    decision = decide(md, owned, render_configs, NOW)
+    assert decision.apply == []
+    assert conditions(decision)["KVIntegrity"] == ("False", "MismatchesDetected")
+    assert [x["type"] for x in decision.events] == ["KVIntegrity"]
+
+
+def test_status_patch_nulls_dropped_keys() -> None:
+    assert status_patch({"a": 1, "b": 2}, {"a": 1, "b": 2}) is None
+    assert status_patch({"a": 1, "endpoint": "x"}, {"a": 2}) == {"a": 2, "endpoint": None}
