@@ -12,6 +12,11 @@ model_executor/model_runner's profile_max_num_token "cell size"):
   (512 e4m3 latent + 4 FP32 scales, one per 128 values, + 64 BF16 rope values). The indexer's
   keys are always FP8 with one FP32 scale per 128 values: index_head_dim + index_head_dim/128*4
   bytes per layer, whatever the KV dtype.
+
+SGLang sizes the pool (model_runner_kv_cache_mixin.get_cell_size_per_token) with
+(kv_lora_rank + qk_rope_head_dim) x element size + the indexer keys, so for an FP8 DSA pool it
+counts 576-byte latents while storing 656-byte ones: `kv_sizing_bytes_per_token` is the cell it
+divides the budget by, `kv_bytes_per_token_per_gpu` what each token really occupies.
 """
 
 from __future__ import annotations
@@ -44,5 +49,18 @@ def kv_bytes_per_token_per_gpu(arch: Architecture, kv_dtype: str, attention_tp: 
         per_layer = latent + scales + rope * ROPE_BF16_BYTES
     else:
         per_layer = (latent + rope) * element
-    index_keys = arch.index_head_dim + -(-arch.index_head_dim // FP8_SCALE_BLOCK) * FP8_SCALE_BYTES
-    return layers * (per_layer + index_keys)
+    return layers * (per_layer + _index_key_bytes(arch))
+
+
+def kv_sizing_bytes_per_token(arch: Architecture, kv_dtype: str, attention_tp: int) -> int:
+    """The per-token cell SGLang divides the KV budget by to count tokens."""
+    if not (arch.is_mla and arch.has_indexer and kv_dtype == "fp8_e4m3"):
+        return kv_bytes_per_token_per_gpu(arch, kv_dtype, attention_tp)
+    assert arch.kv_lora_rank is not None
+    latent = (arch.kv_lora_rank + arch.qk_rope_head_dim) * _ELEMENT_BYTES[kv_dtype]
+    return arch.num_hidden_layers * (latent + _index_key_bytes(arch))
+
+
+def _index_key_bytes(arch: Architecture) -> int:
+    """One token's indexer key in one layer: FP8 values plus an FP32 scale per 128."""
+    return arch.index_head_dim + -(-arch.index_head_dim // FP8_SCALE_BLOCK) * FP8_SCALE_BYTES

@@ -21,7 +21,11 @@ from tessera.runtime.planner.engine import (
     static_budget_bytes,
 )
 from tessera.runtime.planner.errors import PlanError
-from tessera.runtime.planner.kv import KV_DTYPES, kv_bytes_per_token_per_gpu
+from tessera.runtime.planner.kv import (
+    KV_DTYPES,
+    kv_bytes_per_token_per_gpu,
+    kv_sizing_bytes_per_token,
+)
 from tessera.runtime.planner.weights import (
     FP8_BLOCK,
     QUANTIZABLE,
@@ -92,8 +96,10 @@ class PhasePlan:
     context_length: int
     mem_fraction_static: float
     weights_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: int
-    kv_pool_bytes_per_gpu: int  # never negative; 0 when the weights do not fit
+    kv_bytes_per_token_per_gpu: int  # what a token occupies
+    kv_pool_bytes_per_gpu: int  # the budget SGLang sizes the pool from; never negative
+    # What the pool really takes beyond that budget (FP8 DSA pools only, see kv.py).
+    kv_bytes_over_budget_per_gpu: int
     kv_tokens_per_replica: int
     max_concurrent_requests: int  # at context_length
     concurrency_at: dict[int, int]  # context length -> concurrent requests (TABLE_CONTEXTS)
@@ -190,11 +196,12 @@ def plan_phase(arch: Architecture, phase: PhaseSpec, context_length: int,
     weights = weight_bytes_per_gpu(arch, phase.weights, phase.tensor_parallel,
                                    phase.attention_data_parallel)
     per_token = kv_bytes_per_token_per_gpu(arch, phase.kv_dtype, phase.attention_tp)
-    budget = static_budget_bytes(gpu_memory_bytes, fraction)
-    pool = budget - weights
+    sizing = kv_sizing_bytes_per_token(arch, phase.kv_dtype, phase.attention_tp)
+    pool = static_budget_bytes(gpu_memory_bytes, fraction) - weights
     # Each attention-DP rank has its own pool; within one, MLA latents are replicated and GQA
     # heads are split, so per_token already is one GPU's share of a token.
-    tokens = pool_tokens(pool, per_token, phase.page_size) * phase.attention_data_parallel
+    gpu_tokens = pool_tokens(pool, sizing, phase.page_size)
+    tokens = gpu_tokens * phase.attention_data_parallel
 
     def concurrency(length: int) -> int:
         return tokens // _round_up(length, phase.page_size)
@@ -206,6 +213,7 @@ def plan_phase(arch: Architecture, phase: PhaseSpec, context_length: int,
         weights_bytes_per_gpu=weights,
         kv_bytes_per_token_per_gpu=per_token,
         kv_pool_bytes_per_gpu=max(pool, 0),
+        kv_bytes_over_budget_per_gpu=gpu_tokens * (per_token - sizing),
         kv_tokens_per_replica=tokens,
         max_concurrent_requests=concurrency(context_length),
         concurrency_at={n: concurrency(n) for n in TABLE_CONTEXTS},
@@ -321,6 +329,15 @@ def _capacity_findings(plan: PhasePlan, memory_bytes: int) -> list[Finding]:
             f"{s.name}: one replica holds {plan.kv_tokens_per_replica} KV tokens, fewer than "
             f"one request at contextLength {plan.context_length}; lower contextLength, use an "
             "fp8_e4m3 KV cache or smaller weights, or raise tensorParallel.", CAPACITY)]
+    if plan.kv_bytes_over_budget_per_gpu:
+        over = plan.kv_bytes_over_budget_per_gpu
+        return [Finding(
+            "warning", "KVPoolOverBudget",
+            f"{s.name}: SGLang counts FP8 sparse-attention KV latents at 576 bytes but stores "
+            f"656, so the pool takes {_gib(over)} GiB per GPU more than its budget, out of the "
+            "memory kept for activations and CUDA graphs; if the servers run out of memory, "
+            f"set memFractionStatic to {plan.mem_fraction_static - over / memory_bytes:.3f}.",
+            CAPACITY)]
     return []
 
 

@@ -24,6 +24,7 @@ from tessera.runtime.planner.engine import (
     engine_defaults,
     prefill_graph_sizes,
 )
+from tessera.runtime.planner.kv import kv_sizing_bytes_per_token
 from tessera.runtime.planner.weights import matrix_bytes, model_tensors
 
 # A small DeepSeek-style model: MLA with a query latent, 1 dense + 1 MoE layer.
@@ -203,6 +204,20 @@ def test_glm5_kv_layout_includes_indexer_and_fp8_scales():
     # BF16: (512 + 64) * 2 + indexer keys 128 + 4; FP8: 512 + 16 + 64 * 2 + 132; 78 layers
     assert kv_bytes_per_token_per_gpu(arch, "bf16", 8) == 78 * (1152 + 132)
     assert kv_bytes_per_token_per_gpu(arch, "fp8_e4m3", 8) == 78 * (656 + 132)
+    # ...but SGLang sizes the FP8 pool with 576-byte latents
+    assert kv_sizing_bytes_per_token(arch, "fp8_e4m3", 8) == 78 * (576 + 132)
+    assert kv_sizing_bytes_per_token(arch, "bf16", 8) == 78 * (1152 + 132)
+
+
+def test_fp8_dsa_pool_over_budget_is_a_warning():
+    s = spec(single={"weights": {"dtype": "int4"}, "kvCache": {"dtype": "fp8_e4m3"}})
+    s["model"]["architecture"] = {"preset": "glm-5"}
+    plan = plan_deployment(s)
+    single = plan.phases["single"]
+    tokens = single.kv_pool_bytes_per_gpu // (78 * 708) // 64 * 64
+    assert single.kv_tokens_per_replica == tokens
+    assert single.kv_bytes_over_budget_per_gpu == tokens * 78 * 80
+    assert plan.ok and "KVPoolOverBudget" in reasons(plan)
 
 
 # ---------------------------------------------------------------- rules and findings

@@ -14,6 +14,7 @@ from tessera.runtime.planner import (
     weight_bytes_per_gpu,
 )
 from tessera.runtime.planner.engine import GiB
+from tessera.runtime.planner.kv import kv_sizing_bytes_per_token
 from tessera.runtime.planner.plan import PhaseSpec
 
 EVERY_LINEAR = [Module.ATTENTION, Module.DENSE_MLP, Module.SHARED_EXPERTS,
@@ -80,10 +81,12 @@ def test_fp8_kv_holds_about_twice_the_tokens(arch, tp, memory_gib):
         assert 2 * fp8 == bf16
     a = plan_phase(arch, phase(tp, kv="bf16"), 4096, memory_gib * GiB)
     b = plan_phase(arch, phase(tp, kv="fp8_e4m3"), 4096, memory_gib * GiB)
-    # Same pool, tokens in whole pages of 64: the ratio is the byte ratio up to one page.
+    # Same pool, tokens in whole pages of 64: the ratio is the ratio of SGLang's sizing cells
+    # (the stored bytes, except FP8 DSA latents, sized at 576 bytes) up to one page.
     pool = a.kv_pool_bytes_per_gpu
     assert b.kv_pool_bytes_per_gpu == pool
-    assert abs(b.kv_tokens_per_replica - pool // fp8) < 64
+    fp8_cell = kv_sizing_bytes_per_token(arch, "fp8_e4m3", tp)
+    assert abs(b.kv_tokens_per_replica - pool // fp8_cell) < 64
     assert abs(a.kv_tokens_per_replica - pool // bf16) < 64
     if not arch.has_indexer:
         assert 2 * a.kv_tokens_per_replica <= b.kv_tokens_per_replica
