@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
     convert = sub.add_parser("convert", help="convert SRC into DST, resuming a run there")
     convert.add_argument("src", type=Path, help="Hugging Face model folder (FP8 or BF16)")
     convert.add_argument("dst", type=Path, help="output folder (created; resumed if present)")
-    linear = ", ".join(c.name for c in TENSOR_CLASSES if c.ignore is not None)
+    linear = ", ".join(c.name for c in TENSOR_CLASSES if c.quantizable)
     convert.add_argument(
         "--target", dest="targets", action="append", metavar="CLASS|re:REGEX",
         help=f"weights to quantize: a tensor class ({linear}) or a regex over weight names; "

@@ -19,17 +19,22 @@ class TensorClass:
     name: str
     pattern: re.Pattern[str]  # over tensor names; the first class that matches wins
     ignore: str | None  # compressed-tensors `ignore` entry over module names; None: not a Linear
+    quantizable: bool = False  # SGLang builds these Linears with the checkpoint's quant config
 
 
 TENSOR_CLASSES: tuple[TensorClass, ...] = (
     TensorClass("routed_experts", re.compile(r".*\.mlp\.experts\.\d+\.\w+_proj\."),
-                r"re:.*\.mlp\.experts(\..*)?$"),
+                r"re:.*\.mlp\.experts(\..*)?$", quantizable=True),
     TensorClass("shared_experts", re.compile(r".*\.mlp\.shared_experts\."),
-                r"re:.*\.mlp\.shared_experts\..*"),
+                r"re:.*\.mlp\.shared_experts\..*", quantizable=True),
     TensorClass("dense_mlp", re.compile(r".*\.mlp\.(gate|up|down)_proj\."),
-                r"re:.*\.mlp\.(gate|up|gate_up|down)_proj$"),
-    TensorClass("router", re.compile(r".*\.mlp\.gate\."), r"re:.*\.mlp\.gate$"),
-    TensorClass("attention", re.compile(r".*\.self_attn\."), r"re:.*\.self_attn\..*"),
+                r"re:.*\.mlp\.(gate|up|gate_up|down)_proj$", quantizable=True),
+    # Linears SGLang always builds in 16 bits (the MoE router, the GLM 5 indexer's per-head
+    # weights, the output heads, the MTP projection); listed in `ignore` for other loaders
+    TensorClass("router", re.compile(r".*\.(mlp\.gate|indexer\.weights_proj)\."),
+                r"re:.*\.(mlp\.gate|indexer\.weights_proj)$"),
+    TensorClass("attention", re.compile(r".*\.self_attn\."), r"re:.*\.self_attn\..*",
+                quantizable=True),
     TensorClass("lm_head", re.compile(r"(^lm_head\.|.*\.shared_head\.head\.)"),
                 r"re:(.*\.)?(lm_head|shared_head\.head)$"),
     TensorClass("mtp_projection", re.compile(r".*\.eh_proj\."), r"re:.*\.eh_proj$"),
@@ -74,10 +79,10 @@ def parse_targets(targets: Iterable[str]) -> tuple[re.Pattern[str], ...]:
                 patterns.append(re.compile(target[3:]))
             except re.error as err:
                 raise ValueError(f"target {target!r} is not a valid regex: {err}") from None
-        elif target in CLASSES_BY_NAME and CLASSES_BY_NAME[target].ignore is not None:
+        elif target in CLASSES_BY_NAME and CLASSES_BY_NAME[target].quantizable:
             patterns.append(CLASSES_BY_NAME[target].pattern)
         else:
-            linear = [c.name for c in TENSOR_CLASSES if c.ignore is not None]
+            linear = [c.name for c in TENSOR_CLASSES if c.quantizable]
             raise ValueError(
                 f"target {target!r} is neither a quantizable tensor class ({', '.join(linear)}) "
                 "nor a regex written as 're:<regex>'"
@@ -86,11 +91,11 @@ def parse_targets(targets: Iterable[str]) -> tuple[re.Pattern[str], ...]:
 
 
 def is_selected(name: str, shape: tuple[int, ...], targets: tuple[re.Pattern[str], ...]) -> bool:
-    """A 2-D Linear `.weight` that a target matches."""
+    """A 2-D `.weight` of a quantizable class that a target matches."""
     return (
         name.endswith(".weight")
         and len(shape) == 2
-        and classify(name).ignore is not None
+        and classify(name).quantizable
         and any(t.match(name) for t in targets)
     )
 
@@ -115,8 +120,9 @@ def check_selection(selected: dict[str, bool]) -> None:
 def ignore_list(selected: dict[str, bool]) -> list[str]:
     """The compressed-tensors `ignore` list for the Linear weights left unquantized.
 
-    A class left out entirely is one regex; a class quantized in part lists its left-out
-    layers by name.
+    A class left out entirely is one regex. A class quantized in part lists each left-out
+    module by name, and its fused layer's name too: SGLang asks about a fused layer by its
+    own name (`...fused_qkv_a_proj_with_mqa`) and about a MoE layer by expert 0's names.
     """
     by_class: dict[str, dict[str, bool]] = {}
     for name, chosen in selected.items():
@@ -125,10 +131,8 @@ def ignore_list(selected: dict[str, bool]) -> list[str]:
     for class_name, members in by_class.items():
         if not any(members.values()):
             entries.add(str(CLASSES_BY_NAME[class_name].ignore))
-        else:
-            entries.update(
-                fused_module(module_of(n)) if class_name == "routed_experts" else module_of(n)
-                for n, chosen in members.items()
-                if not chosen
-            )
+            continue
+        for name, chosen in members.items():
+            if not chosen:
+                entries.update((module_of(name), fused_module(module_of(name))))
     return sorted(entries)
