@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         raise SystemExit("--resync-seconds must be positive, e.g. 60")
+    if args.peering and args.namespace:
+        raise SystemExit("--peering coordinates cluster-wide replicas; drop --namespace or "
+                         "--peering")
     import kopf  # imported here so other subcommands do not pay for it
     from tessera.operator import handlers
 

@@ -75,7 +75,6 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("get", "list", "watch", "create", "patch", "delete")),
     # Read by the operator for KVIntegrity; written for condition-change events.
     ("", "events", ("get", "list", "watch", "create")),
-    ("events.k8s.io", "events", ("create",)),
     # Granted onward to the router's ServiceAccount (worker discovery), so held here too.
     ("", "pods", ("get", "list", "watch")),
     # kopf: CRD discovery, namespace watching, peering between two operator replicas.

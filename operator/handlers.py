@@ -30,6 +30,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.enabled = False  # our own events only, and only on condition changes
     store = Store()
     kube = Kube(new_api_client())
+    if not settings.peering.standalone:
+        await asyncio.to_thread(kube.ensure_peering, settings.peering.name)
     # Fill the store before the watches start, so the first reconciles see existing children
     # and a restarted operator does not re-apply what is already there.
     for (api_version, kind) in CHILD_KINDS:
@@ -37,6 +39,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             store.put(obj)
     memo.reconciler = Reconciler(kube, store, render_configs)
     memo.resync = asyncio.create_task(_resync_forever(memo.reconciler))
+    log.info("operator started: %d children cached, resync every %gs", len(store.objects),
+             RESYNC_SECONDS)
 
 
 @kopf.on.cleanup()

@@ -90,6 +90,17 @@ class Kube:
         return self._call("PATCH", path, {"status": patch}, content_type=(
             "application/merge-patch+json"))
 
+    def ensure_peering(self, name: str) -> None:
+        """Create the ClusterKopfPeering NAME if absent: without the object, replicas cannot
+        see each other and would all work at once."""
+        try:
+            self._call("POST", _collection("kopf.dev/v1", "clusterkopfpeerings", None),
+                       {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                        "metadata": {"name": name}})
+        except kubernetes.client.ApiException as e:
+            if e.status != 409:  # 409: it exists already
+                raise
+
     def post_event(self, md: Obj, type_: str, reason: str, message: str) -> None:
         meta = md["metadata"]
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

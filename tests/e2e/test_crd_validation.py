@@ -1,0 +1,143 @@
+"""The API server itself refuses malformed ModelDeployments (schema + CEL), naming the field.
+
+Each case sends one broken manifest through `kubectl apply --dry-run=server`: the whole
+admission chain runs (defaulting, structural schema, CEL), nothing is stored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def valid() -> dict[str, Any]:
+    phase = {"tensorParallel": 8, "kvCache": {"dtype": "fp8_e4m3"}}
+    return {
+        "apiVersion": "tessera.dev/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": "bad"},
+        "spec": {
+            "model": {"name": "m", "architecture": {"preset": "kimi-k2"}, "contextLength": 8192},
+            "engine": {"image": "tessera/runtime:test"},
+            "prefill": {**copy.deepcopy(phase), "weights": {"dtype": "fp8", "uri": "hf://m/fp8"}},
+            "decode": {**copy.deepcopy(phase), "weights": {"dtype": "int4", "uri": "hf://m/i4"}},
+        },
+    }
+
+
+Edit = Callable[[dict[str, Any]], Any]
+
+# (what is wrong, the edit, text the refusal must contain: the field and what is expected)
+CASES: list[tuple[str, Edit, list[str]]] = [
+    ("no served model name", lambda m: m["spec"]["model"].pop("name"),
+     ["spec.model.name", "Required value"]),
+    ("unknown weight dtype", lambda m: m["spec"]["decode"]["weights"].update(dtype="int8"),
+     ["spec.decode.weights.dtype", "Unsupported value", '"int4"']),
+    ("unknown KV dtype", lambda m: m["spec"]["prefill"]["kvCache"].update(dtype="fp16"),
+     ["spec.prefill.kvCache.dtype", "Unsupported value"]),
+    ("negative replicas", lambda m: m["spec"]["decode"].update(replicas=-1),
+     ["spec.decode.replicas", "greater than or equal to 0"]),
+    ("tensor parallel 3", lambda m: m["spec"]["decode"].update(tensorParallel=3),
+     ["spec.decode.tensorParallel", "Unsupported value"]),
+    ("mem fraction 0.99", lambda m: m["spec"]["prefill"].update(memFractionStatic=0.99),
+     ["spec.prefill.memFractionStatic", "less than or equal to 0.95"]),
+    ("unknown preset", lambda m: m["spec"]["model"]["architecture"].update(preset="llama"),
+     ["spec.model.architecture.preset", "Unsupported value"]),
+    ("context length 0", lambda m: m["spec"]["model"].update(contextLength=0),
+     ["spec.model.contextLength", "greater than or equal to 1"]),
+    ("no engine image", lambda m: m["spec"]["engine"].pop("image"),
+     ["spec.engine.image", "Required value"]),
+    ("misspelt field", lambda m: m["spec"]["decode"].update(tensorParallelism=8),
+     ['unknown field "spec.decode.tensorParallelism"']),
+    ("both modes", lambda m: m["spec"].update(single=copy.deepcopy(m["spec"]["decode"])),
+     ["spec: Invalid value", "set either spec.single"]),
+    ("prefill without decode", lambda m: m["spec"].pop("decode"),
+     ["spec: Invalid value", "needs both spec.prefill and spec.decode"]),
+    ("no phase at all", lambda m: (m["spec"].pop("decode"), m["spec"].pop("prefill")),
+     ["spec: Invalid value", "set either spec.single"]),
+    ("expert parallel not dividing", lambda m: m["spec"]["decode"].update(expertParallel=3),
+     ["spec.decode.expertParallel", "expertParallel must divide tensorParallel"]),
+    ("attention DP not dividing",
+     lambda m: m["spec"]["decode"].update(attentionDataParallel=3),
+     ["spec.decode.attentionDataParallel", "must divide tensorParallel"]),
+    ("group size on fp8", lambda m: m["spec"]["prefill"]["weights"].update(groupSize=128),
+     ["spec.prefill.weights.groupSize", "int4 weights only"]),
+    ("unknown uri scheme", lambda m: m["spec"]["decode"]["weights"].update(uri="ftp://m"),
+     ["spec.decode.weights.uri", "hf://"]),
+    ("format cannot hold dtype",
+     lambda m: m["spec"]["prefill"]["weights"].update(format="gptq"),
+     ["spec.prefill.weights.format", "cannot hold"]),
+    ("tiny GPU", lambda m: m["spec"].update(nodePool={"gpu": {"memoryGiB": 8}}),
+     ["spec.nodePool.gpu.memoryGiB", "greater than or equal to 16"]),
+    ("engine version not x.y.z", lambda m: m["spec"]["engine"].update(version="latest"),
+     ["spec.engine.version", "should match"]),
+    ("toleration Exists with value", lambda m: m["spec"].update(nodePool={"tolerations": [
+        {"key": "k", "operator": "Exists", "value": "v"}]}),
+     ["spec.nodePool.tolerations[0]", "must not set a value"]),
+    ("replica spanning nodes", lambda m: m["spec"]["decode"].update(tensorParallel=16),
+     ["spec: Invalid value", "tensorParallel is above nodePool.gpu.perNode"]),
+    ("page size 48", lambda m: m["spec"]["decode"]["kvCache"].update(pageSize=48),
+     ["spec.decode.kvCache.pageSize", "Unsupported value"]),
+    ("architecture empty", lambda m: m["spec"]["model"].update(architecture={}),
+     ["spec.model.architecture", "needs a preset or an inline config"]),
+    ("name too long for child names", lambda m: m["metadata"].update(name="x" * 41),
+     ["metadata.name", "40"]),
+    ("unknown router policy", lambda m: m["spec"].update(router={"policy": "fastest"}),
+     ["spec.router.policy", "Unsupported value"]),
+]
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Any) -> None:
+    cluster.kubectl("apply", "-f", str(ROOT / "crds" / "modeldeployment.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/modeldeployments.tessera.dev")
+
+
+def test_the_valid_base_is_accepted(crd: None, kubectl: Any, namespace: str) -> None:
+    kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=valid())
+
+
+@pytest.mark.parametrize("edit, expected", [(e, x) for _, e, x in CASES],
+                         ids=[what.replace(" ", "-") for what, _, _ in CASES])
+def test_malformed_manifest_is_refused_naming_the_field(crd: None, kubectl: Any,
+                                                        namespace: str, edit: Edit,
+                                                        expected: list[str]) -> None:
+    manifest = valid()
+    edit(manifest)
+    result = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=manifest,
+                     check=False)
+    assert result.returncode != 0, f"accepted: {manifest}"
+    for text in expected:
+        assert text in result.stderr, result.stderr
+
+
+def test_switching_mode_of_a_stored_deployment_is_refused(crd: None, kubectl: Any,
+                                                          namespace: str) -> None:
+    kubectl("create", "-n", namespace, "-f", "-", input=valid())
+    single = valid()
+    single["spec"]["single"] = single["spec"].pop("decode")
+    del single["spec"]["prefill"]
+    result = kubectl("replace", "-n", namespace, "-f", "-", input=single, check=False)
+    assert result.returncode != 0
+    assert "switching between single-pool and disaggregated mode" in result.stderr
+
+
+def test_defaults_come_from_the_schema(crd: None, kubectl: Any, namespace: str) -> None:
+    created = json.loads(kubectl("create", "-n", namespace, "-o", "json", "-f", "-",
+                                 input=valid()).stdout)
+    spec = created["spec"]
+    assert spec["engine"]["version"] == "0.5.23"
+    assert spec["nodePool"]["gpu"] == {"product": "H200", "memoryGiB": 141,
+                                       "computeCapability": "9.0", "perNode": 8}
+    assert spec["decode"]["replicas"] == 1 and spec["decode"]["kvCache"]["pageSize"] == 64
+    assert spec["router"] == {"replicas": 1, "policy": "cache_aware", "port": 8000}
+    assert spec["integrity"] == {"enabled": False}

@@ -1,0 +1,347 @@
+"""The operator against the real local control plane, driven through kubectl as a user would.
+
+One operator process serves the whole module (cluster-wide, resync every RESYNC_S seconds);
+each test works in its own namespace. Write counts come from the API server's audit log,
+filtered to the operator's user agents (its client: tessera-operator; kopf's watches: kopf/).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tessera.operator import constants as c
+from tessera.operator.kube import CHILD_KINDS
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+RESYNC_S = 2.0
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+ENGINE_PHASES = ("prefill", "decode")
+
+
+def poll(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """check()'s first truthy value; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.3)
+    return value
+
+
+class Operator:
+    """`tessera operator run` as a child process, logging to a file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *extra: str) -> None:
+        self.env, self.log, self.extra = env, log, extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tessera", "operator", "run",
+                 "--resync-seconds", str(RESYNC_S), *self.extra],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        poll("the operator to start", lambda: "operator started" in self.text(offset)
+             or self.proc is None or self.proc.poll() is not None, timeout=60)
+        assert self.proc.poll() is None, self.text(offset)[-3000:]
+
+    def text(self, offset: int = 0) -> str:
+        return self.log.read_bytes()[offset:].decode(errors="replace")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Any) -> Iterator[Operator]:
+    cluster.kubectl("apply", "-f", str(ROOT / "crds" / "modeldeployment.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/modeldeployments.tessera.dev")
+    log = Path(tempfile.mkdtemp(prefix="tessera-operator-")) / "operator.log"
+    op = Operator(cluster.env, log)
+    op.start()
+    yield op
+    op.stop()
+
+
+def operator_writes(cluster: Any, since: int, namespace: str | None = None) -> list[dict[str, Any]]:
+    """Write requests the operator made after byte offset `since` of the audit log."""
+    out = []
+    with open(cluster.audit_log, "rb") as f:
+        f.seek(since)
+        for line in f:
+            entry = json.loads(line)
+            agent = entry.get("userAgent", "")
+            ref = entry.get("objectRef", {})
+            if (entry.get("stage") == "ResponseComplete" and entry["verb"] in WRITE_VERBS
+                    and (agent.startswith("tessera-operator") or agent.startswith("kopf/"))
+                    and (namespace is None or ref.get("namespace") == namespace)):
+                out.append(entry)
+    return out
+
+
+def audit_offset(cluster: Any) -> int:
+    return os.path.getsize(cluster.audit_log)
+
+
+def tiny(name: str) -> dict[str, Any]:
+    """A small DeepSeek V3-shaped model at tensor parallel 1: fits one GPU, plans in ms."""
+    phase = {"tensorParallel": 1, "kvCache": {"dtype": "fp8_e4m3"}}
+    return {
+        "apiVersion": "tessera.dev/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": name, "contextLength": 8192, "architecture": {
+                "preset": "deepseek-v3",
+                "config": {"num_hidden_layers": 4, "n_routed_experts": 16}}},
+            "engine": {"image": "tessera/runtime:test"},
+            "nodePool": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
+            "prefill": {**copy.deepcopy(phase), "weights": {"dtype": "fp8", "uri": "hf://t/fp8"}},
+            "decode": {**copy.deepcopy(phase), "replicas": 2,
+                       "weights": {"dtype": "int4", "uri": "hf://t/int4"}},
+            "integrity": {"enabled": True},
+        },
+    }
+
+
+def get_md(kubectl: Callable[..., Any], namespace: str, name: str) -> dict[str, Any]:
+    return json.loads(kubectl("get", "md", name, "-n", namespace, "-o", "json").stdout)
+
+
+def conditions(md: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {x["type"]: x for x in md.get("status", {}).get("conditions", [])}
+
+
+def children(kubectl: Callable[..., Any], namespace: str, name: str) -> list[tuple[str, str]]:
+    kinds = ",".join(CHILD_KINDS.values())
+    items = json.loads(kubectl("get", kinds, "-n", namespace, "-l",
+                               f"{c.LABEL_DEPLOYMENT}={name}", "-o", "json").stdout)["items"]
+    return sorted((o["kind"], o["metadata"]["name"]) for o in items)
+
+
+def pod_uids(kubectl: Callable[..., Any], namespace: str, phase: str) -> set[str]:
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-l", f"{c.LABEL_PHASE}={phase}",
+                              "-o", "json").stdout)["items"]
+    return {p["metadata"]["uid"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+
+
+def wait_ready(kubectl: Callable[..., Any], namespace: str, name: str,
+               timeout: int = 90) -> None:
+    kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
+            f"--timeout={timeout}s", timeout=timeout + 10)
+
+
+def apply(kubectl: Callable[..., Any], namespace: str, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
+
+
+def test_example_applies_converges_and_reports(operator: Operator, kubectl: Any,
+                                               namespace: str) -> None:
+    kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples/01-kimi-k2/modeldeployment.yaml"))
+    poll("all 15 children", lambda: len(children(kubectl, namespace, "kimi-k2")) == 15)
+    wait_ready(kubectl, namespace, "kimi-k2")
+
+    row = kubectl("get", "md", "kimi-k2", "-n", namespace).stdout
+    assert "prefill 1/1, decode 2/2" in row
+    assert "prefill=fp8_e4m3 decode=fp8_e4m3" in row
+    wide = kubectl("get", "md", "kimi-k2", "-n", namespace, "-o", "wide").stdout
+    assert "prefill=fp8 decode=int4" in wide and f"kimi-k2-router.{namespace}.svc:8000" in wide
+
+    md = get_md(kubectl, namespace, "kimi-k2")
+    assert md["status"]["observedGeneration"] == md["metadata"]["generation"]
+    got = {t: cond["status"] for t, cond in conditions(md).items()}
+    assert got == {"Ready": "True", "Progressing": "False", "Degraded": "False",
+                   "PrecisionValid": "True", "CapacityPlanned": "True", "KVIntegrity": "True"}
+    assert md["status"]["decode"]["precision"] == {"weights": "int4", "kvCache": "fp8_e4m3"}
+    assert md["status"]["plan"]["decode"]["capacity"]["kvTokensPerReplica"] > 0
+
+    described = kubectl("describe", "md", "kimi-k2", "-n", namespace).stdout
+    assert "Conditions:" in described and "AllReady" in described
+    events = json.loads(kubectl("get", "events", "-n", namespace, "--field-selector",
+                                "involvedObject.kind=ModelDeployment", "-o", "json").stdout)
+    reasons = [e["reason"] for e in events["items"]]
+    assert "AllReady" in reasons  # posted when Ready turned True
+    assert len(reasons) == len(set(reasons))  # one event per change, not one per reconcile
+
+    # Every pod is labelled with its deployment and phase, and gets a whole H200 node.
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+    engine = [p for p in pods if p["metadata"]["labels"][c.LABEL_PHASE] in ENGINE_PHASES]
+    assert len(engine) == 3
+    for pod in engine:
+        assert pod["metadata"]["labels"][c.LABEL_DEPLOYMENT] == "kimi-k2"
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    kubectl("delete", "md", "kimi-k2", "-n", namespace, "--wait=false")
+
+
+def test_decode_change_rolls_only_decode_pods(operator: Operator, kubectl: Any,
+                                              namespace: str) -> None:
+    apply(kubectl, namespace, tiny("roll"))
+    wait_ready(kubectl, namespace, "roll")
+    prefill, decode = (pod_uids(kubectl, namespace, p) for p in ENGINE_PHASES)
+    assert len(prefill) == 1 and len(decode) == 2
+
+    changed = tiny("roll")
+    changed["spec"]["decode"]["weights"]["groupSize"] = 32
+    apply(kubectl, namespace, changed)
+
+    def rolled() -> bool:
+        md = get_md(kubectl, namespace, "roll")
+        new = pod_uids(kubectl, namespace, "decode")
+        return (md["status"]["observedGeneration"] == 2 and len(new) == 2
+                and not new & decode and conditions(md)["Ready"]["status"] == "True")
+
+    poll("decode pods replaced and Ready", rolled, timeout=90)
+    assert pod_uids(kubectl, namespace, "prefill") == prefill
+
+
+def test_kv_dtype_pair_the_transfer_cannot_carry_is_refused_in_place(
+        operator: Operator, kubectl: Any, namespace: str) -> None:
+    apply(kubectl, namespace, tiny("pair"))
+    wait_ready(kubectl, namespace, "pair")
+    before = {p: pod_uids(kubectl, namespace, p) for p in ENGINE_PHASES}
+    bad = tiny("pair")
+    bad["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
+    apply(kubectl, namespace, bad)
+    md = poll("PrecisionValid False", lambda: (m := get_md(kubectl, namespace, "pair"))
+              and conditions(m)["PrecisionValid"]["status"] == "False" and m)
+    assert conditions(md)["PrecisionValid"]["reason"] == "KVCacheDtypeMismatch"
+    # A bad edit does not take the running model down, and rolls nothing.
+    time.sleep(2 * RESYNC_S)
+    assert {p: pod_uids(kubectl, namespace, p) for p in ENGINE_PHASES} == before
+
+
+@pytest.mark.parametrize("edit, condition, reason", [
+    (lambda s: s["prefill"]["kvCache"].update(dtype="bf16"), "PrecisionValid",
+     "KVCacheDtypeMismatch"),
+    (lambda s: s["model"]["architecture"].update(preset="kimi-k2", config={}), "CapacityPlanned",
+     "InsufficientGPUMemory"),
+], ids=["kv-pair", "does-not-fit"])
+def test_specs_only_the_operator_can_judge(operator: Operator, kubectl: Any, namespace: str,
+                                           cluster: Any, edit: Any, condition: str,
+                                           reason: str) -> None:
+    manifest = tiny("judged")
+    edit(manifest["spec"])
+    apply(kubectl, namespace, manifest)
+    md = poll(f"{condition} False", lambda: (m := get_md(kubectl, namespace, "judged"))
+              and conditions(m).get(condition, {}).get("status") == "False" and m)
+    assert conditions(md)[condition]["reason"] == reason
+    assert conditions(md)["Ready"]["reason"] == "NotAdmitted"
+    # No children, and no retry storm: three resyncs later, not one more write.
+    since = audit_offset(cluster)
+    time.sleep(3 * RESYNC_S + 0.5)
+    assert children(kubectl, namespace, "judged") == []
+    assert operator_writes(cluster, since, namespace) == []
+    assert operator.proc is not None and operator.proc.poll() is None
+
+
+def test_resync_with_nothing_changed_writes_nothing(operator: Operator, kubectl: Any,
+                                                    namespace: str, cluster: Any) -> None:
+    since = audit_offset(cluster)
+    apply(kubectl, namespace, tiny("quiet"))
+    wait_ready(kubectl, namespace, "quiet")
+    # The counter sees the operator's writes (15 children, status, events) ...
+    converging = operator_writes(cluster, since, namespace)
+    assert len([w for w in converging if w["verb"] == "patch"]) >= 15
+    # ... and, once converged, several resyncs later there are none at all (any namespace).
+    time.sleep(1.0)
+    log_at, since = len(operator.text()), audit_offset(cluster)
+    time.sleep(3 * RESYNC_S + 0.5)
+    assert operator.text()[log_at:].count("resync:") >= 2  # resyncs did run
+    assert operator_writes(cluster, since) == []
+
+
+def test_drift_is_restored_and_foreign_fields_are_kept(operator: Operator, kubectl: Any,
+                                                       namespace: str) -> None:
+    apply(kubectl, namespace, tiny("drift"))
+    wait_ready(kubectl, namespace, "drift")
+    kubectl("scale", "deployment/drift-decode", "--replicas=5", "-n", namespace)
+    kubectl("delete", "service", "drift-router", "-n", namespace)
+    kubectl("annotate", "deployment/drift-prefill", "team.example.com/owner=infra",
+            "-n", namespace)
+
+    def replicas() -> int:
+        return json.loads(kubectl("get", "deployment", "drift-decode", "-n", namespace, "-o",
+                                  "json").stdout)["spec"]["replicas"]
+
+    poll("decode replicas restored to 2", lambda: replicas() == 2)
+    poll("router service recreated", lambda: kubectl("get", "service", "drift-router", "-n",
+                                                     namespace, check=False).returncode == 0)
+    prefill = json.loads(kubectl("get", "deployment", "drift-prefill", "-n", namespace,
+                                 "-o", "json").stdout)
+    assert prefill["metadata"]["annotations"]["team.example.com/owner"] == "infra"
+
+
+def test_runtime_mismatch_events_set_kv_integrity(operator: Operator, kubectl: Any,
+                                                  namespace: str) -> None:
+    apply(kubectl, namespace, tiny("tags"))
+    wait_ready(kubectl, namespace, "tags")
+    pod = json.loads(kubectl("get", "pods", "-n", namespace, "-l", f"{c.LABEL_PHASE}=decode",
+                             "-o", "json").stdout)["items"][0]["metadata"]
+    # What the runtime posts (the contract with the integrity check).
+    kubectl("create", "-f", "-", input={
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": "tags-kv-", "namespace": namespace,
+                     "labels": {c.LABEL_DEPLOYMENT: "tags"}},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": pod["name"],
+                           "namespace": namespace, "uid": pod["uid"]},
+        "type": "Warning", "reason": c.EVENT_REASON_KV_MISMATCH, "count": 3,
+        "message": "3 requests aborted: KV pages reallocated under them",
+        "source": {"component": "tessera-runtime"}})
+    md = poll("KVIntegrity False", lambda: (m := get_md(kubectl, namespace, "tags"))
+              and conditions(m)["KVIntegrity"]["status"] == "False" and m)
+    message = conditions(md)["KVIntegrity"]["message"]
+    assert "3 mismatch report(s)" in message and pod["name"] in message
+
+
+def test_deletion_garbage_collects_every_child(operator: Operator, kubectl: Any,
+                                               namespace: str) -> None:
+    apply(kubectl, namespace, tiny("gone"))
+    poll("children", lambda: len(children(kubectl, namespace, "gone")) == 15)
+    kubectl("delete", "md", "gone", "-n", namespace)
+    poll("children garbage-collected", lambda: children(kubectl, namespace, "gone") == [],
+         timeout=60)
+
+
+def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, kubectl: Any,
+                                                           namespace: str) -> None:
+    operator.stop()
+    operator.start()
+    apply(kubectl, namespace, tiny("crash"))
+    # Kill it as soon as the first child lands, while the rest are still being applied.
+    poll("a first child", lambda: children(kubectl, namespace, "crash"), timeout=30)
+    operator.kill()
+    partial = children(kubectl, namespace, "crash")
+    operator.start()
+    wait_ready(kubectl, namespace, "crash")
+    final = children(kubectl, namespace, "crash")
+    assert len(final) == 15 and len(set(final)) == 15 and set(partial) <= set(final)
+    for phase, want in (("prefill", 1), ("decode", 2), ("router", 1)):
+        assert len(pod_uids(kubectl, namespace, phase)) == want, phase
+    replicasets = json.loads(kubectl("get", "replicasets", "-n", namespace, "-o",
+                                     "json").stdout)["items"]
+    assert len(replicasets) == 3  # one per Deployment: nothing was re-created with a new template
+
