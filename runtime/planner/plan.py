@@ -280,8 +280,9 @@ def _phase_rules(phase: PhaseSpec, arch: Architecture,
     if arch.has_indexer and phase.page_size != 64:
         out.append(Finding(
             "error", "PageSizeUnsupported",
-            f"{p}: models with a sparse-attention indexer run on SGLang's NSA backend, which "
-            f"needs kvCache.pageSize 64 (got {phase.page_size}).", PRECISION))
+            f"{p}: SGLang runs models with a sparse-attention indexer with 64-token pages "
+            f"whatever the flag says; set kvCache.pageSize to 64 (got {phase.page_size}) so the "
+            "plan and the engine agree.", PRECISION))
     return out + _alignment_rules(phase, arch)
 
 
