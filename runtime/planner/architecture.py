@@ -48,7 +48,7 @@ class Architecture:
     first_k_dense_replace: int = 0
     # Misc
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int | None = None  # None: unknown, no context warning
     # Multi-token-prediction layers: stored in the checkpoint, loaded only for speculative
     # decoding (which tessera does not configure), so they count on disk, not on the GPU.
     num_nextn_predict_layers: int = 0
@@ -205,7 +205,7 @@ def _check_type(name: str, value: Any) -> None:
                             reason="InvalidArchitecture")
         return
     if value is None and name in ("num_key_value_heads", "head_dim", "kv_lora_rank",
-                                  "q_lora_rank"):
+                                  "q_lora_rank", "max_position_embeddings"):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PlanError(

@@ -34,7 +34,8 @@ from tessera.runtime.planner.weights import (
     weight_bytes_per_gpu,
 )
 
-# Defaults for optional spec fields; the ModelDeployment CRD declares the same ones.
+# Defaults for optional spec fields, the same as the ModelDeployment CRD's, except that a
+# missing memFractionStatic means SGLang's own rule (engine.py).
 DEFAULT_GPU = {"product": "H200", "memoryGiB": 141, "computeCapability": "9.0"}
 DEFAULT_REPLICAS = 1
 DEFAULT_TENSOR_PARALLEL = 8
@@ -43,7 +44,7 @@ DEFAULT_ATTENTION_DATA_PARALLEL = 1
 DEFAULT_WEIGHTS_DTYPE = "bf16"
 DEFAULT_INT4_GROUP_SIZE = 128
 DEFAULT_KV_DTYPE = "bf16"
-DEFAULT_PAGE_SIZE = 64  # FlashMLA and the DSA (NSA) backend need 64; fine for GQA too
+DEFAULT_PAGE_SIZE = 64  # FlashMLA and SGLang's DSA models use 64-token pages
 DEFAULT_CONTEXT_LENGTH = 131072
 
 # Context lengths of the comparison table and of status.
@@ -176,7 +177,7 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
         findings += _capacity_findings(plan, memory_bytes)
         plans[phase.name] = plan
     findings += _handoff_rules(plans)
-    if context > arch.max_position_embeddings:
+    if arch.max_position_embeddings is not None and context > arch.max_position_embeddings:
         findings.append(Finding(
             "warning", "ContextBeyondModel",
             f"contextLength {context} exceeds the model's max_position_embeddings "

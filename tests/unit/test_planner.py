@@ -323,6 +323,16 @@ def test_indexer_models_need_page_size_64():
     assert "PageSizeUnsupported" in reasons(plan_deployment(s))
 
 
+def test_context_beyond_the_model_is_a_warning():
+    s = spec(single={"weights": {"dtype": "int4"}, "kvCache": {"dtype": "fp8_e4m3"}})
+    s["model"]["contextLength"] = 300000  # Kimi K2: max_position_embeddings 262144
+    plan = plan_deployment(s)
+    assert "ContextBeyondModel" in reasons(plan)
+    # a custom architecture without max_position_embeddings gets no such warning
+    s["model"]["architecture"] = {"config": SMALL_MLA}
+    assert "ContextBeyondModel" not in reasons(plan_deployment(s))
+
+
 def test_mem_fraction_override_is_used():
     s = spec(single={"weights": {"dtype": "int4"}, "memFractionStatic": 0.8})
     assert plan_deployment(s).phases["single"].mem_fraction_static == 0.8
