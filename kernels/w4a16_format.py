@@ -199,7 +199,7 @@ def repack_from_compressed_tensors(
     group_size = k // groups
     if weight_g_idx is not None:
         expected = torch.arange(k, device=weight_g_idx.device) // group_size
-        if not torch.equal(weight_g_idx.reshape(-1, k).long(), expected.expand(-1, k)):
+        if not bool((weight_g_idx.reshape(-1, k).long() == expected).all()):
             raise ValueError(
                 "activation-order (g_idx) checkpoints are not supported; "
                 "re-quantize without act-order"

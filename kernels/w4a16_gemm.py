@@ -1,0 +1,286 @@
+"""INT4 weight x BF16 activation GEMM (``y = x @ W.T``) for decode, in Triton.
+
+Weights are in the packed layout of :mod:`tessera.kernels.w4a16_format` (K-major int32 words,
+8 codes each, group-wise scales). Decode is weight-streaming: at M <= 64 the kernel reads every
+weight once and the time is bytes / bandwidth, so everything here serves reading fewer bytes fast.
+
+Maths of one K step of ``BLOCK_K = 8 R`` rows, for word row ``r`` and nibble ``i``
+(``k = 8 r + i``):
+
+    y[m, n] += sum_i sum_r x[m, 8 r + i] * (code_i[r, n] - zero[n]) * scale[n]
+
+so each nibble plane ``i`` is one ``[BLOCK_M, R] x [R, BLOCK_N]`` tensor-core dot over the strided
+activations ``x[:, i::8]``: the packed words are loaded once, coalesced along N, and never
+reshaped. A code becomes a float without an int->float conversion (see :func:`_plane`); ``code -
+zero`` is exact in bf16. When a group spans the whole K step the scale multiplies the
+``[BLOCK_M, BLOCK_N]`` partial sum instead of every weight.
+
+Split-K (fp32 atomics) gives small N enough programs to fill the GPU. For large M the launcher can
+instead dequantize to bf16 once and call cuBLAS; which path and tile to use is measured once per
+(M bucket, N, K, group, zeros, device) and cached (:func:`w4a16_matmul`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a16_format import PACK, W4A16Weight, dequantize
+
+__all__ = [
+    "GemmConfig",
+    "interpreted",
+    "tune_cached",
+    "w4a16_dequantize",
+    "w4a16_matmul",
+    "w4a16_matmul_reference",
+]
+
+
+MAGIC = 8388608.0  # 2**23: the fp32 whose low mantissa bits are the code
+
+
+@triton.jit
+def _plane(words, i: tl.constexpr, magic_zero):
+    """Nibble plane ``i`` of int32 ``words`` as fp32 ``code - zero``; ``magic_zero = 2**23 + zero``.
+
+    ``0x4B000000 | code`` read as fp32 is ``2**23 + code`` exactly, so no int->float conversion.
+    """
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_zero
+
+
+@triton.jit
+def _w4a16_accumulate(
+    acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
+    K, stride_qk, stride_sk, step_begin, step_end,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc[BM, BN] += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
+    ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element."""
+    R: tl.constexpr = BLOCK_K // 8
+    offs_r = tl.arange(0, R)
+    k_words, n_groups = K // 8, K // GROUP
+    for step in range(step_begin, step_end):
+        rows = step * R + offs_r
+        r_mask = rows < k_words
+        words = tl.load(
+            qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+            mask=r_mask[:, None] & n_mask[None, :], other=0,
+        )  # fmt: skip
+        x_step = x_rows + (step * BLOCK_K + offs_r * 8)[None, :]
+        x_mask = m_mask[:, None] & r_mask[None, :]
+        if GROUP % BLOCK_K == 0:
+            # one group spans the step: scale the [BM, BN] partial sum, not every weight
+            g = step * BLOCK_K // GROUP
+            scale = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0)
+                zero = z.to(tl.float32)[None, :] + MAGIC
+            else:
+                zero = MAGIC + 8.0
+            part = tl.zeros(acc.shape, dtype=tl.float32)
+            for i in tl.static_range(8):
+                w = _plane(words, i, zero).to(tl.bfloat16)
+                part = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, part)
+            acc += part * scale.to(tl.float32)[None, :]
+        else:
+            # a group is shorter than the step: scale each row of words by its own group
+            groups = rows // (GROUP // 8)
+            gs_off = groups[:, None] * stride_sk + offs_n[None, :]
+            g_mask = (groups < n_groups)[:, None] & n_mask[None, :]
+            scale = tl.load(s_ptr + gs_off, mask=g_mask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + gs_off, mask=g_mask, other=0).to(tl.float32) + MAGIC
+            else:
+                zero = MAGIC + 8.0
+            for i in tl.static_range(8):
+                w = (_plane(words, i, zero) * scale).to(tl.bfloat16)
+                acc = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, acc)
+    return acc
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_qk, stride_sk, stride_om,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    step_end = tl.minimum(tl.cdiv(K, BLOCK_K), (pid_k + 1) * per_split)
+    acc = _w4a16_accumulate(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr + offs_m[:, None] * stride_xm,
+        m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, stride_qk, stride_sk,
+        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K,
+    )  # fmt: skip
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
+
+
+@triton.jit
+def _w4a16_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qk, stride_sk, stride_ok,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """out[K, N] = dequant(W) in bf16, for the large-M dequantize + cuBLAS path."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < K // 8)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
+    g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+    scale = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32) + MAGIC
+    else:
+        zero = MAGIC + 8.0
+    for i in tl.static_range(8):
+        w = _plane(words, i, zero) * scale
+        dst = out_ptr + (rows * 8 + i)[:, None] * stride_ok + offs_n[None, :]
+        tl.store(dst, w.to(tl.bfloat16), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One way to run the GEMM: ``path`` is ``"triton"`` or ``"dequant_cublas"``."""
+
+    path: str = "triton"
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+_TUNED: dict[tuple, object] = {}
+
+
+def _m_bucket(m: int) -> int:
+    return min(1 << max(m - 1, 0).bit_length(), 4096)
+
+
+def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
+    """Tiles worth timing for this shape: weight-streaming tiles for small M, tensor-core tiles
+    and the dequantize + cuBLAS fall-back for large M."""
+    bm = max(16, min(_m_bucket(m), 64))
+    out: list[GemmConfig] = []
+    if m <= 64:
+        for bn in (32, 64, 128):
+            tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+            for split in (1, 2, 4, 8):
+                # about 2-8 waves of programs over 132 SMs; more splits only add atomics
+                if tiles * split < 132 or (split > 1 and tiles * split > 1100):
+                    continue
+                for warps, stages in ((4, 4), (4, 6)):
+                    out.append(GemmConfig("triton", bm, bn, 128, split, warps, stages))
+    else:
+        for bm_, bn, warps, stages in ((64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)):
+            if bm_ <= max(bm, 64) * 2:
+                out.append(GemmConfig("triton", bm_, bn, 128, 1, warps, stages))
+        out.append(GemmConfig("dequant_cublas"))
+    return out or [GemmConfig("triton", bm, 32, 128, 1, 4, 4)]
+
+
+def _check(x: torch.Tensor, w: W4A16Weight) -> None:
+    if w.qweight.dim() != 2:
+        raise ValueError("w4a16_matmul takes one weight [K/8, N]; use w4a16_moe for experts")
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"x must be bf16 [M, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1 or w.qweight.stride(1) != 1 or w.scales.stride(1) != 1:
+        raise ValueError("x, qweight and scales must be contiguous in their last dim")
+    if x.device != w.qweight.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.qweight.device}")
+
+
+def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
+    """The weight as bf16 ``[K, N]`` (the transpose of ``W``), computed by a Triton kernel."""
+    out = torch.empty((w.k, w.n), dtype=torch.bfloat16, device=w.qweight.device)
+    r, bn = 16, 128
+    zeros = w.zeros if w.zeros is not None else w.scales
+    grid = (triton.cdiv(w.k // PACK, r), triton.cdiv(w.n, bn))
+    _w4a16_dequant_kernel[grid](
+        w.qweight, w.scales, zeros, out, w.n, w.k,
+        w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, R=r, BLOCK_N=bn,
+    )  # fmt: skip
+    return out
+
+
+def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
+    m = x.shape[0]
+    if cfg.path == "dequant_cublas":
+        return x @ w4a16_dequantize(w)
+    if cfg.split_k == 1:
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+    else:
+        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), cfg.split_k)
+    _w4a16_gemm_kernel[grid](
+        x, w.qweight, w.scales, zeros, out,
+        m, w.n, w.k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
+
+
+def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
+    """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key."""
+    if key not in _TUNED:
+        times = {
+            c: triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in candidates
+        }
+        _TUNED[key] = min(times, key=times.__getitem__)
+    return _TUNED[key]
+
+
+def interpreted() -> bool:
+    """True when kernels run under the Triton interpreter (CPU), where nothing is tuned."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+
+
+def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x [M, K] bf16 @ W.T -> [M, N] bf16`` for an INT4 weight.
+
+    Without ``config`` the path and tile are tuned on first use of each (M bucket, shape) on the
+    GPU; call once per bucket before capturing CUDA graphs. Under the Triton interpreter a small
+    fixed tile is used.
+    """
+    _check(x, w)
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.n))
+    if config is None:
+        m = x.shape[0]
+        key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
+               torch.cuda.get_device_name(x.device))  # fmt: skip
+        config = (
+            GemmConfig(block_n=32)
+            if interpreted()
+            else tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
+        )
+    return _run(x, w, config)
+
+
+def w4a16_matmul_reference(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
+    """fp32 ``x @ dequant(W).T`` in pure torch (what the kernel must match)."""
+    return x.float() @ dequantize(w, torch.float32).transpose(-1, -2)
