@@ -60,10 +60,27 @@ def phase(tp: int, weights: str = "bf16", kv: str = "bf16", fraction: float | No
 @given(architectures(), st.sampled_from(TPS[:-1]), st.sampled_from(["bf16", "fp8_e4m3"]),
        st.integers(4, 200))
 def test_more_gpus_never_give_fewer_tokens(arch, tp, kv, memory_gib):
+    # At a fixed memFractionStatic, for any architecture and memory size.
     fewer = plan_phase(arch, phase(tp, kv=kv), 4096, memory_gib * GiB)
     more = plan_phase(arch, phase(2 * tp, kv=kv), 4096, memory_gib * GiB)
     assert more.kv_tokens_per_replica >= fewer.kv_tokens_per_replica
     assert more.weights_bytes_per_gpu <= fewer.weights_bytes_per_gpu
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["kimi-k2", "deepseek-v3", "glm-5"]), st.sampled_from(["single", "decode"]),
+       st.sampled_from(["bf16", "fp8", "int4"]), st.sampled_from(["bf16", "fp8_e4m3"]))
+def test_more_gpus_never_give_fewer_tokens_under_sglangs_own_fraction(preset, mode, weights, kv):
+    # SGLang reserves 1 GiB more per 8 TP ranks, which a model as large as the presets always
+    # earns back in weights per GPU.
+    def tokens(tp: int) -> int:
+        phase = {"tensorParallel": tp, "weights": {"dtype": weights}, "kvCache": {"dtype": kv}}
+        spec = {"model": {"architecture": {"preset": preset}, "contextLength": 4096},
+                mode: phase, **({"prefill": phase} if mode == "decode" else {})}
+        return plan_deployment(spec).phases[mode].kv_tokens_per_replica
+
+    counts = [tokens(tp) for tp in TPS]
+    assert counts == sorted(counts)
 
 
 @settings(max_examples=60, deadline=None)
