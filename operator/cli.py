@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import uuid
 
 
@@ -17,9 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "default: all namespaces")
     run.add_argument("--resync-seconds", type=float, default=60.0,
                      help="re-decide every deployment this often (default 60)")
-    run.add_argument("--peering", metavar="NAME", default="",
-                     help="coordinate replicas through the ClusterKopfPeering NAME: one "
-                          "active, the others standing by (needs crds/kopf-peering.yaml)")
+    run.add_argument("--leader-election", metavar="NAMESPACE/NAME", default="",
+                     help="run only while holding this Lease, so replicas never act at once "
+                          "(e.g. tessera-system/tessera-operator); default: no election")
     run.add_argument("--verbose", "-v", action="store_true")
     run.set_defaults(func=run_operator)
 
@@ -27,23 +28,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         raise SystemExit("--resync-seconds must be positive, e.g. 60")
-    if args.peering and args.namespace:
-        raise SystemExit("--peering coordinates cluster-wide replicas; drop --namespace or "
-                         "--peering")
+    namespace, _, lease = args.leader_election.partition("/")
+    if args.leader_election and not (namespace and lease):
+        raise SystemExit(f"--leader-election {args.leader_election!r}: expected NAMESPACE/NAME, "
+                         "e.g. tessera-system/tessera-operator")
     import kopf  # imported here so other subcommands do not pay for it
     from tessera.operator import handlers
+    from tessera.operator.kube import Kube, new_api_client
+    from tessera.operator.leader import LeaderLease
 
     handlers.RESYNC_SECONDS = args.resync_seconds
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Peers with equal priority all pause (kopf's rule), so each replica takes a distinct one;
-    # the highest runs and the rest wait for it to disappear.
-    priority = uuid.UUID(os.environ.get("POD_UID") or str(uuid.uuid4())).int % (2**31)
-    kopf.run(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace or None,
-        standalone=not args.peering,
-        peering_name=args.peering or None,
-        priority=priority,
-    )
+    if args.leader_election:
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        LeaderLease(Kube(new_api_client()), lease, namespace, identity).acquire()
+    # Leader election is ours (above), so kopf's own peering stays off.
+    kopf.run(clusterwide=not args.namespace, namespaces=args.namespace or None, standalone=True)
     return 0

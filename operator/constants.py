@@ -77,8 +77,9 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "events", ("get", "list", "watch", "create")),
     # Granted onward to the router's ServiceAccount (worker discovery), so held here too.
     ("", "pods", ("get", "list", "watch")),
-    # kopf: CRD discovery, namespace watching, peering between two operator replicas.
+    # kopf: CRD discovery and namespace watching.
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
     ("", "namespaces", ("get", "list", "watch")),
-    ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "create", "patch")),
+    # Leader election between replicas (leader.py).
+    ("coordination.k8s.io", "leases", ("get", "create", "update")),
 )

@@ -30,13 +30,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.enabled = False  # our own events only, and only on condition changes
     store = Store()
     kube = Kube(new_api_client())
-    if not settings.peering.standalone:
-        await asyncio.to_thread(kube.ensure_peering, settings.peering.name)
     # Fill the store before the watches start, so the first reconciles see existing children
-    # and a restarted operator does not re-apply what is already there.
-    for (api_version, kind) in CHILD_KINDS:
-        for obj in await asyncio.to_thread(kube.list_children, api_version, kind):
-            store.put(obj)
+    # and mismatch reports: a restarted operator neither re-applies what is there nor flips a
+    # condition back and forth.
+    listings = [(api_version, kind, plural, f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")
+                for (api_version, kind), plural in CHILD_KINDS.items()]
+    listings.append(("v1", "Event", "events", c.LABEL_DEPLOYMENT))
+    for listing in listings:
+        for obj in await asyncio.to_thread(kube.list_labelled, *listing):
+            if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
+                store.put(obj)
     memo.reconciler = Reconciler(kube, store, render_configs)
     memo.resync = asyncio.create_task(_resync_forever(memo.reconciler))
     log.info("operator started: %d children cached, resync every %gs", len(store.objects),

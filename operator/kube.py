@@ -53,9 +53,9 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client
 
-    def _call(self, method: str, path: str, body: Any = None,
-              query: list[tuple[str, str]] | None = None,
-              content_type: str = "application/json") -> Any:
+    def request(self, method: str, path: str, body: Any = None,
+                query: list[tuple[str, str]] | None = None,
+                content_type: str = "application/json") -> Any:
         return self._client.call_api(
             path, method, query_params=query or [], body=body,
             header_params={"Accept": "application/json", "Content-Type": content_type},
@@ -64,22 +64,22 @@ class Kube:
 
     def apply(self, obj: Obj) -> Obj:
         """Server-side apply under the one field manager; forced, so our fields win back."""
-        return self._call("PATCH", _path(obj), obj,
+        return self.request("PATCH", _path(obj), obj,
                           [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
                           "application/apply-patch+yaml")
 
     def delete(self, obj: Obj) -> None:
         try:
-            self._call("DELETE", _path(obj), {"propagationPolicy": "Background"})
+            self.request("DELETE", _path(obj), {"propagationPolicy": "Background"})
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise
 
-    def list_children(self, api_version: str, kind: str) -> list[Obj]:
-        """Every child of this kind in the cluster (all namespaces), by our managed-by label."""
-        path = _collection(api_version, CHILD_KINDS[(api_version, kind)], None)
-        items = self._call("GET", path, query=[
-            ("labelSelector", f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")])["items"]
+    def list_labelled(self, api_version: str, kind: str, plural: str,
+                      selector: str) -> list[Obj]:
+        """Every object of this kind in the cluster (all namespaces) matching `selector`."""
+        path = _collection(api_version, plural, None)
+        items = self.request("GET", path, query=[("labelSelector", selector)])["items"]
         # List items come without apiVersion/kind; put them back so items look like watch events.
         return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
 
@@ -87,19 +87,8 @@ class Kube:
         meta = md["metadata"]
         path = (f"{_collection(c.API_VERSION_FULL, c.PLURAL, meta['namespace'])}/"
                 f"{meta['name']}/status")
-        return self._call("PATCH", path, {"status": patch}, content_type=(
+        return self.request("PATCH", path, {"status": patch}, content_type=(
             "application/merge-patch+json"))
-
-    def ensure_peering(self, name: str) -> None:
-        """Create the ClusterKopfPeering NAME if absent: without the object, replicas cannot
-        see each other and would all work at once."""
-        try:
-            self._call("POST", _collection("kopf.dev/v1", "clusterkopfpeerings", None),
-                       {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-                        "metadata": {"name": name}})
-        except kubernetes.client.ApiException as e:
-            if e.status != 409:  # 409: it exists already
-                raise
 
     def post_event(self, md: Obj, type_: str, reason: str, message: str) -> None:
         meta = md["metadata"]
@@ -114,4 +103,4 @@ class Kube:
             "source": {"component": c.FIELD_MANAGER},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        self._call("POST", _collection("v1", "events", meta["namespace"]), event)
+        self.request("POST", _collection("v1", "events", meta["namespace"]), event)
