@@ -241,7 +241,7 @@ def _merge_kernel(
     for s in range(0, num_splits):
         w = tl.exp2(tl.load(lse_base + s) - m)
         acc += w * tl.load(base + s * stride_ps + offs_dv)
-    result = tl.where(total > 0.0, acc / total, 0.0)
+    result = acc / tl.where(total > 0.0, total, 1.0)  # acc is 0 when total is
     tl.store(out + b * stride_ob + h * stride_oh + offs_dv, result.to(out.dtype.element_ty))
 
 

@@ -1,0 +1,187 @@
+"""Paged decode attention (GQA and MLA, BF16 and FP8 pages) against float64 references.
+
+Every case draws fresh random data and a shuffled page table, and passes an output filled with
+NaN, so an unwritten element fails. Tolerances (BENCHMARKS.md): against attention over the
+(dequantized) cache, atol 1e-2 and rel-L2 <= 5e-3; FP8 against BF16 KV on N(0, 1) data,
+rel-L2 <= 6e-2 and 1 - cosine <= 2e-3.
+"""
+
+import math
+
+import pytest
+import torch
+from tessera.kernels.fp8_kv_quant import write_kv_fp8_ref
+from tessera.kernels.paged_decode_bf16 import (
+    paged_decode_bf16,
+    paged_decode_bf16_ref,
+    paged_decode_mla_bf16,
+    paged_decode_mla_bf16_ref,
+)
+from tessera.kernels.paged_decode_fp8 import (
+    paged_decode_fp8,
+    paged_decode_fp8_ref,
+    paged_decode_mla_fp8,
+    paged_decode_mla_fp8_ref,
+)
+from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def random_table(lens: list[int], page_size: int, sglang_form: bool) -> tuple[PageTable, int]:
+    """Requests of ``lens`` tokens on shuffled pages (plus spare pages nobody owns)."""
+    counts = [math.ceil(n / page_size) for n in lens]
+    num_pages = sum(counts) + 3
+    perm = torch.randperm(num_pages).tolist()
+    pages, at = [], 0
+    for c in counts:
+        pages.append(perm[at : at + c])
+        at += c
+    table = PageTable.from_page_lists(pages, lens, page_size, DEVICE)
+    if sglang_form:  # token-level kv_indptr / kv_indices, as SGLang's triton backend has them
+        slots = [table.token_slots(b) for b in range(len(lens))]
+        indptr = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+        indices = torch.cat(slots).to(torch.int32)
+        table = PageTable.from_sglang(indptr, indices, table.seq_lens, page_size)
+    return table, num_pages
+
+
+def quantized(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 copy of a paged BF16 cache with per-(token, head) scales (byte-exact with the
+    kernel, see test_fp8_kv_quant; the reference is faster under the interpreter)."""
+    cache = torch.empty(rows.shape, dtype=FP8_DTYPE, device=rows.device)
+    scale = torch.empty(rows.shape[:-1], device=rows.device)
+    slots = torch.arange(rows.shape[0] * rows.shape[1], device=rows.device)
+    write_kv_fp8_ref(rows.flatten(0, 1), cache, scale, slots)
+    return cache, scale
+
+
+def poisoned(batch: int, heads: int, dim: int) -> torch.Tensor:
+    return torch.full((batch, heads, dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.isfinite().all(), "unwritten or non-finite output"
+    err = out.float() - ref
+    # atol 1e-2, plus rtol 1e-2: a bf16 output of magnitude 2..4 is already rounded by 2^-8.
+    worst = (err.abs() - 1e-2 * ref.abs()).max()
+    assert worst <= 1e-2, f"max |err| - 1e-2 |ref| = {worst:.3g}"
+    rel = err.norm() / ref.norm()
+    assert rel <= 5e-3, f"rel-L2 {rel:.3g}"
+
+
+def run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form=False, max_len=None):
+    table, num_pages = random_table(lens, page_size, sglang_form)
+    q = torch.randn(len(lens), heads, dim, device=DEVICE).bfloat16()
+    k = torch.randn(num_pages, page_size, kv_heads, dim, device=DEVICE).bfloat16()
+    v = torch.randn(num_pages, page_size, kv_heads, dim, device=DEVICE).bfloat16()
+    sm_scale = dim**-0.5
+    out = poisoned(len(lens), heads, dim)
+    if kv_dtype == "bf16":
+        paged_decode_bf16(q, k, v, table, sm_scale, out=out, max_seq_len=max_len)
+        ref = paged_decode_bf16_ref(q, k, v, table, sm_scale)
+    else:
+        (k8, ks), (v8, vs) = quantized(k), quantized(v)
+        paged_decode_fp8(q, k8, v8, ks, vs, table, sm_scale, out=out, max_seq_len=max_len)
+        ref = paged_decode_fp8_ref(q, k8, v8, ks, vs, table, sm_scale)
+    assert_close(out, ref)
+    return out, paged_decode_bf16_ref(q, k, v, table, sm_scale)
+
+
+def run_mla(kv_dtype, lens, page_size, heads, latent=512):
+    table, num_pages = random_table(lens, page_size, sglang_form=False)
+    q = torch.randn(len(lens), heads, latent + 64, device=DEVICE).bfloat16()
+    kv = torch.randn(num_pages, page_size, 1, latent + 64, device=DEVICE).bfloat16()
+    sm_scale = (128 + 64) ** -0.5
+    out = poisoned(len(lens), heads, latent)
+    if kv_dtype == "bf16":
+        paged_decode_mla_bf16(q, kv, table, sm_scale, out=out)
+        ref = paged_decode_mla_bf16_ref(q, kv, table, sm_scale)
+    else:
+        kv8, s = quantized(kv)
+        paged_decode_mla_fp8(q, kv8, s, table, sm_scale, out=out)
+        ref = paged_decode_mla_fp8_ref(q, kv8, s, table, sm_scale)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    ("lens", "page_size", "heads", "kv_heads", "dim", "sglang_form"),
+    [
+        ([37, 1, 70], 16, 4, 2, 64, False),
+        ([5, 130], 1, 2, 2, 128, True),  # MHA, page size 1 (SGLang's default)
+        ([9, 66], 4, 8, 1, 256, True),
+    ],
+)
+def test_gqa_matches_reference(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form):
+    run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_mla_matches_reference(kv_dtype):
+    run_mla(kv_dtype, [3, 41], 16, heads=16)
+
+
+def test_splits_longer_than_the_request_and_empty_requests_give_zeros():
+    # max_seq_len far above the real lengths makes most splits empty; request 1 has no tokens
+    out, _ = run_gqa("bf16", [7, 0, 19], 4, 4, 2, 64, max_len=4096)
+    assert (out[1] == 0).all()
+
+
+def test_fp8_close_to_bf16_kv():
+    out, bf16_ref = run_gqa("fp8", [300, 77], 16, 8, 2, 128)
+    err = (out.float() - bf16_ref).norm() / bf16_ref.norm()
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), bf16_ref.flatten(), dim=0)
+    assert err <= 6e-2
+    assert 1 - cos <= 2e-3
+
+
+def test_bad_input_says_what_is_wrong():
+    table, num_pages = random_table([5, 9], 4, sglang_form=False)
+    q = torch.randn(2, 4, 64, device=DEVICE).bfloat16()
+    k = torch.randn(num_pages, 4, 2, 64, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match="q must be bfloat16"):
+        paged_decode_bf16(q.float(), k, k, table, 0.1)
+    with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+        paged_decode_bf16(q[:, :3], k, k, table, 0.1)
+    with pytest.raises(ValueError, match="q has 1 requests but the page table 2"):
+        paged_decode_bf16(q[:1], k, k, table, 0.1)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_bf16(q[..., :48], k[..., :48], k[..., :48], table, 0.1)
+    with pytest.raises(ValueError, match="MLA needs one KV head"):
+        paged_decode_mla_bf16(q, k, table, 0.1)
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        paged_decode_fp8(q, k, k, torch.tensor(1.0), torch.tensor(1.0), table, 0.1)
+    with pytest.raises(ValueError, match="entries_per_page must be 1"):
+        PageTable(table.indptr, table.indices, table.seq_lens, 4, entries_per_page=2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize(
+    ("batch", "max_len", "heads", "kv_heads", "dim"),
+    [(64, 4500, 32, 8, 128), (7, 9001, 64, 8, 128), (33, 2049, 16, 16, 64), (5, 3001, 8, 2, 256)],
+)
+@pytest.mark.parametrize("sglang_form", [False, True])
+def test_gqa_real_shapes_gpu(
+    kv_dtype, page_size, batch, max_len, heads, kv_heads, dim, sglang_form
+):
+    lens = torch.randint(1, max_len + 1, (batch,)).tolist()
+    lens[0] = max_len
+    run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize(
+    ("batch", "max_len", "heads"), [(32, 4097, 16), (9, 8191, 64), (3, 999, 128)]
+)
+def test_mla_real_shapes_gpu(kv_dtype, page_size, batch, max_len, heads):
+    lens = torch.randint(1, max_len + 1, (batch,)).tolist()
+    lens[-1] = max_len
+    run_mla(kv_dtype, lens, page_size, heads)
