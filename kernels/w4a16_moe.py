@@ -110,7 +110,8 @@ def align_to_experts(
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     blocks = num_pairs // block_m + min(num_experts, num_pairs)  # bound on used blocks
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     expert_blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(expert_blocks, 0)
     start = (block_end - expert_blocks) * block_m  # first padded row of each expert
@@ -124,8 +125,8 @@ def align_to_experts(
     pair_ids[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(
         block_end, torch.arange(blocks, device=flat.device), right=True
-    ).to(torch.int32)
-    block_expert[block_expert >= num_experts] = -1
+    )
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return pair_ids, block_expert
 
 

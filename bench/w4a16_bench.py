@@ -1,0 +1,339 @@
+"""Benchmark the INT4 W4A16 GEMM and fused MoE against their peers on one GPU.
+
+GEMM (``y = x @ W.T``, group-wise INT4 weights) vs torch bf16 matmul and ``torch._scaled_mm``
+with fp8 weights (activations pre-quantized, per-tensor scales: the peer's best case);
+MoE (SwiGLU experts, top-k routing) vs the same kernel over bf16 experts and SGLang's Triton
+int4 fused-MoE kernel (``fused_moe_kernel_gptq_awq``, read from SGLang's source file, best of a
+few configs). Every timing is a CUDA-graph replay of many calls cycling through several weight
+and input sets (working set above the 60 MB L2), median of replays, all in this one run.
+
+    python bench/w4a16_bench.py [--quick] [--sglang-kernels PATH] [--out DIR]
+
+Prints a table last and writes w4a16_gemm.json and w4a16_moe.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from tessera.kernels.w4a16_format import PACK, W4A16Weight, unpack_int4
+from tessera.kernels.w4a16_gemm import w4a16_matmul, w4a16_matmul_reference
+from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
+
+L2_BYTES = 60 * 2**20
+M_VALUES = (1, 4, 16, 32, 64, 128, 512, 2048)
+GEMM_SHAPES = {  # name: (N, K, group) per GPU
+    "N16384_K7168 (target shape)": (16384, 7168, 128),
+    "N7168_K7168 (target shape)": (7168, 7168, 128),
+    "kimi-k2 dense gate_up TP8": (4608, 7168, 128),
+    "kimi-k2 dense down TP8": (7168, 2304, 128),
+    "N16384_K7168 group 32": (16384, 7168, 32),
+}
+MOE_SHAPES = {  # name: (experts, hidden, expert width, top_k, group)
+    "kimi-like 384x7168x2048 top8 g32": (384, 7168, 2048, 8, 32),
+    "kimi-like 384x7168x2048 top8 g128": (384, 7168, 2048, 8, 128),
+}
+MOE_TOKENS = (1, 4, 16, 32, 64, 128)
+
+
+def graph_time_us(calls, sets: int, reps: int = 10) -> float:
+    """Median time of one call, from CUDA-graph replays of ``calls(i)`` for i cycling over sets."""
+    per_graph = max(sets, 8 * math.ceil(8 / sets))
+    for i in range(sets):  # warm-up (and tuning) outside the capture
+        calls(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            calls(i % sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_graph)
+    del graph
+    return statistics.median(times)
+
+
+def random_int4(shape_nk: tuple[int, ...], group: int, device: str = "cuda") -> W4A16Weight:
+    """Fresh random INT4 weight [..., N, K]: uniform codes, scales in [0.5, 1.5] / 64."""
+    *lead, n, k = shape_nk
+    qweight = torch.randint(-(2**31), 2**31 - 1, (*lead, k // PACK, n), dtype=torch.int32,
+                            device=device)  # fmt: skip
+    scales = ((torch.rand(*lead, k // group, n, device=device) + 0.5) / 64).to(torch.bfloat16)
+    return W4A16Weight(qweight, scales, None, group)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(4 * L2_BYTES / nbytes))
+
+
+def bench_gemm(m_values, shapes) -> list[dict]:
+    rows = []
+    for name, (n, k, group) in shapes.items():
+        rows += bench_gemm_shape(name, n, k, group, m_values)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values) -> list[dict]:
+    rows = []
+    w_bytes = n * k // 2 + n * (k // group) * 2
+    sets = min(copies_for(w_bytes), 8)
+    ws = [random_int4((n, k), group) for _ in range(sets)]
+    bf16 = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * n * k))
+    ]
+    fp8 = [(b / 16).to(torch.float8_e4m3fn) for b in bf16]
+    one = torch.ones((), device="cuda")
+    x0 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    ref = w4a16_matmul_reference(x0, ws[0])
+    err = ((w4a16_matmul(x0, ws[0]).float() - ref).norm() / ref.norm()).item()
+    for m in m_values:
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        x8 = [x.to(torch.float8_e4m3fn) for x in xs]
+        t_int4 = graph_time_us(lambda i, xs=xs: w4a16_matmul(xs[i % 4], ws[i % sets]), sets)
+        t_bf16 = graph_time_us(lambda i, xs=xs: xs[i % 4] @ bf16[i % len(bf16)].T, len(bf16))
+        try:
+            t_fp8 = graph_time_us(
+                lambda i, x8=x8: torch._scaled_mm(x8[i % 4], fp8[i % len(fp8)].T, one, one,
+                                           out_dtype=torch.bfloat16),
+                len(fp8),
+            )  # fmt: skip
+        except RuntimeError as e:  # cuBLASLt fp8 shape limits
+            print(f"_scaled_mm M={m}: {e}".splitlines()[0], file=sys.stderr)
+            t_fp8 = float("nan")
+        rows.append({
+            "shape": name, "N": n, "K": k, "group": group, "M": m,
+            "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
+            "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
+            "int4_weight_TBps": w_bytes / t_int4 / 1e6,
+            "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
+            "rel_l2_vs_fp32_M4": err,
+        })  # fmt: skip
+        print(f"gemm {name:32s} M={m:5d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
+              f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
+              f"x{t_fp8 / t_int4:5.2f} vs fp8",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def load_sglang_moe_kernel(path: Path):
+    """SGLang's own ``fused_moe_kernel_gptq_awq`` (and its helper), taken verbatim from its
+    source file without importing the rest of SGLang (which needs packages absent here)."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    wanted = {"write_zeros_to_output", "fused_moe_kernel_gptq_awq"}
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    if {n.name for n in nodes} != wanted:
+        raise SystemExit(f"{path} lacks {wanted}")
+    scratch = Path.home() / ".cache" / "tessera" / "sglang_moe_kernel.py"
+    scratch.parent.mkdir(parents=True, exist_ok=True)  # triton.jit needs real source lines
+    scratch.write_text(
+        "import triton\nimport triton.language as tl\n\n\n"
+        + "\n\n\n".join("@triton.jit\n" + ast.get_source_segment(source, n) for n in nodes)
+    )
+    namespace: dict = {"__name__": "sglang_moe_kernel"}
+    exec(compile(scratch.read_text(), str(scratch), "exec"), namespace)
+    return namespace["fused_moe_kernel_gptq_awq"]
+
+
+def to_sglang_int4(w: W4A16Weight, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our [E, K/8, N] words -> SGLang's int4 layout: uint8 [E, N, K/2] (even k in the low nibble)
+    and scales [E, N, K/G]."""
+    e, n, k = w.qweight.shape[0], w.n, w.k
+    packed = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.qweight.device)
+    for s in range(0, e, chunk):
+        codes = unpack_int4(w.qweight[s : s + chunk], dim=-2).transpose(-1, -2)  # [c, N, K]
+        packed[s : s + chunk] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, w.scales.transpose(-1, -2).contiguous()
+
+
+def sglang_moe(kernel, cfg, x, b13, s13, b2, s2, topk_w, topk_ids, group):
+    """The MoE forward SGLang runs with that kernel: up GEMM, SiLU-and-mul, down GEMM, sum."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    pair_ids, block_expert = align_to_experts(topk_ids, b13.shape[0], cfg["BLOCK_SIZE_M"])
+    post_padded = (block_expert >= 0).sum().reshape(1) * cfg["BLOCK_SIZE_M"]
+    routing = topk_w.reshape(-1).float()
+
+    def gemm(a, b, s, rows_top_k, mul_routing):
+        out = torch.empty((num_pairs, b.shape[1]), dtype=torch.bfloat16, device=a.device)
+        grid = (
+            triton.cdiv(pair_ids.numel(), cfg["BLOCK_SIZE_M"])
+            * triton.cdiv(b.shape[1], cfg["BLOCK_SIZE_N"]),
+        )
+        kernel[grid](
+            a, b, out, s, None, routing, pair_ids, block_expert, post_padded,
+            b.shape[1], a.shape[1], pair_ids.numel(), num_pairs,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(2), b.stride(1),
+            out.stride(0), out.stride(1), s.stride(0), s.stride(2), s.stride(1), 0, 0, 0,
+            group_size=group, MUL_ROUTED_WEIGHT=mul_routing, top_k=rows_top_k,
+            compute_type=tl.bfloat16, has_zp=False, use_int4_w4a16=True, use_int8_w8a16=False,
+            even_Ks=a.shape[1] % cfg["BLOCK_SIZE_K"] == 0, **cfg,
+        )  # fmt: skip
+        return out
+
+    h = gemm(x, b13, s13, top_k, False)
+    gate, up = h.chunk(2, dim=-1)
+    act = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    out = gemm(act, b2, s2, 1, True)
+    return out.view(tokens, top_k, -1).sum(1, dtype=torch.float32).to(torch.bfloat16)
+
+
+SGLANG_CONFIGS = [  # its default for int4 at small M first, then a few larger tiles
+    {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1},
+    {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1},
+    {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+     "num_warps": 4, "num_stages": 4},
+    {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
+]  # fmt: skip
+
+
+def routings(tokens, experts, top_k, count):
+    out = []
+    for _ in range(count):
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+        out.append((torch.rand(tokens, top_k, device="cuda").softmax(-1), ids))
+    return out
+
+
+def bench_moe(token_values, shapes, sglang_kernel) -> list[dict]:
+    rows = []
+    for name, shape in shapes.items():
+        rows += bench_moe_shape(name, *shape, token_values, sglang_kernel)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_moe_shape(name, experts, hidden, inter, top_k, group, token_values, sglang_kernel):
+    rows = []
+    w13 = random_int4((experts, 2 * inter, hidden), group)
+    w2 = random_int4((experts, hidden, inter), group)
+    b13 = torch.randn(experts, hidden, 2 * inter, device="cuda", dtype=torch.bfloat16) / 64
+    b2 = torch.randn(experts, inter, hidden, device="cuda", dtype=torch.bfloat16) / 64
+    sg = (*to_sglang_int4(w13), *to_sglang_int4(w2)) if sglang_kernel else None
+
+    # correctness of all three on a few tokens, against the fp32 reference
+    wts, ids = routings(4, experts, top_k, 1)[0]
+    x = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = fused_moe_reference(x, _slice(w13, ids), _slice(w2, ids), wts, _remap(ids))
+    errs = {"int4": _rel(fused_moe(x, w13, w2, wts, ids), ref)}
+    if sg:
+        errs["sglang_int4"] = _rel(
+            sglang_moe(sglang_kernel, SGLANG_CONFIGS[0], x, *sg, wts, ids, group), ref
+        )
+    print(f"moe {name}: rel-L2 vs fp32 reference {errs}", flush=True)
+
+    for tokens in token_values:
+        rs = routings(tokens, experts, top_k, 4)
+        xs = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        t_int4 = graph_time_us(lambda i, xs=xs, rs=rs: fused_moe(xs[i], w13, w2, *rs[i]), 4)
+        t_bf16 = graph_time_us(lambda i, xs=xs, rs=rs: fused_moe(xs[i], b13, b2, *rs[i]), 4)
+        t_sg, best_cfg = float("nan"), None
+        if sg:
+            for cfg in SGLANG_CONFIGS:
+
+                def call(i, c=cfg, xs=xs, rs=rs):
+                    return sglang_moe(sglang_kernel, c, xs[i], *sg, *rs[i], group)
+
+                t = graph_time_us(call, 4)
+                if not t >= t_sg:
+                    t_sg, best_cfg = t, cfg
+        touched = len(torch.cat([r[1].reshape(-1) for r in rs]).unique()) / 4  # per call, approx
+        rows.append({
+            "shape": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
+            "group": group, "tokens": tokens, "int4_us": t_int4, "bf16_experts_us": t_bf16,
+            "sglang_int4_us": t_sg, "sglang_best_config": best_cfg,
+            "x_vs_bf16_experts": t_bf16 / t_int4, "x_vs_sglang": t_sg / t_int4,
+            "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
+        })  # fmt: skip
+        print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
+              f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
+              f"x{t_sg / t_int4:5.2f} vs sglang",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def _remap(ids: torch.Tensor) -> torch.Tensor:
+    """Routing renumbered onto the experts it uses (the reference dequantizes only those)."""
+    return torch.searchsorted(ids.unique(), ids)
+
+
+def _slice(w: W4A16Weight, ids: torch.Tensor) -> W4A16Weight:
+    used = ids.unique()
+    return W4A16Weight(w.qweight[used], w.scales[used], None, w.group_size)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def meta(argv) -> dict:
+    return {
+        "device": torch.cuda.get_device_name(),
+        "driver": subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip(),
+        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *argv]),
+        "timing": "CUDA-graph replay, median of 10 replays, weights/inputs rotated past L2",
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and sizes")
+    ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
+    ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    kernel = load_sglang_moe_kernel(args.sglang_kernels) if args.sglang_kernels else None
+    m_values = (1, 16, 64, 512) if args.quick else M_VALUES
+    gemm_shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
+    tokens = (1, 16, 64) if args.quick else MOE_TOKENS
+    moe_shapes = dict(list(MOE_SHAPES.items())[:1]) if args.quick else MOE_SHAPES
+    t0 = time.time()
+    results = {}
+    if args.only in (None, "gemm"):
+        results["gemm"] = bench_gemm(m_values, gemm_shapes)
+    if args.only in (None, "moe"):
+        results["moe"] = bench_moe(tokens, moe_shapes, kernel)
+    for part, rows in results.items():
+        doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": rows}
+        (args.out / f"w4a16_{part}.json").write_text(json.dumps(doc, indent=1))
+    print("\n== summary ==")
+    for r in results.get("gemm", []):
+        print(f"{r['shape']:32s} M={r['M']:5d}  x{r['x_vs_bf16']:5.2f} vs bf16  "
+              f"x{r['x_vs_fp8']:5.2f} vs fp8  {r['int4_weight_TBps']:.2f} TB/s")  # fmt: skip
+    for r in results.get("moe", []):
+        print(f"{r['shape']:34s} T={r['tokens']:4d}  "
+              f"x{r['x_vs_bf16_experts']:5.2f} vs bf16 experts  "
+              f"x{r['x_vs_sglang']:5.2f} vs sglang int4")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
