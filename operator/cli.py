@@ -44,5 +44,5 @@ def run_operator(args: argparse.Namespace) -> int:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         LeaderLease(Kube(new_api_client()), lease, namespace, identity).acquire()
     # Leader election is ours (above), so kopf's own peering stays off.
-    kopf.run(clusterwide=not args.namespace, namespaces=args.namespace or None, standalone=True)
+    kopf.run(clusterwide=not args.namespace, namespaces=args.namespace, standalone=True)
     return 0

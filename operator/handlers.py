@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -62,23 +63,24 @@ async def _resync_forever(reconciler: Reconciler) -> None:
             log.exception("resync failed")
 
 
-def _route(memo: kopf.Memo, event: dict[str, Any], namespace: str, name: str) -> None:
+def _route(memo: kopf.Memo, event: kopf.RawEvent, namespace: str | None, name: str) -> None:
     store: Store = memo.reconciler.store
+    obj = dict(event["object"])
     if event["type"] == "DELETED":
-        store.drop(event["object"])
+        store.drop(obj)
     else:
-        store.put(event["object"])
-    memo.reconciler.reconcile(namespace, name)
+        store.put(obj)
+    memo.reconciler.reconcile(namespace or "", name)
 
 
 @kopf.on.event(API_GROUP, API_VERSION, c.PLURAL)
-def on_model_deployment(event: dict[str, Any], memo: kopf.Memo, namespace: str, name: str,
-                        **_: Any) -> None:
+def on_model_deployment(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
+                        name: str, **_: Any) -> None:
     _route(memo, event, namespace, name)
 
 
-def _on_child(event: dict[str, Any], memo: kopf.Memo, namespace: str, labels: dict[str, str],
-              **_: Any) -> None:
+def _on_child(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
+              labels: Mapping[str, str], **_: Any) -> None:
     _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])
 
 
@@ -94,7 +96,7 @@ def _is_mismatch(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.on.event("", "v1", "events", labels={c.LABEL_DEPLOYMENT: kopf.PRESENT}, when=_is_mismatch)
-def on_mismatch_event(event: dict[str, Any], memo: kopf.Memo, namespace: str,
-                      labels: dict[str, str], **_: Any) -> None:
+def on_mismatch_event(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
+                      labels: Mapping[str, str], **_: Any) -> None:
     """The runtime's KVIntegrityMismatch events decide the KVIntegrity condition."""
     _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])

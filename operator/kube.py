@@ -56,11 +56,14 @@ class Kube:
     def request(self, method: str, path: str, body: Any = None,
                 query: list[tuple[str, str]] | None = None,
                 content_type: str = "application/json") -> Any:
-        return self._client.call_api(
-            path, method, query_params=query or [], body=body,
+        """One API call; the decoded JSON answer. Raises kubernetes.client.ApiException."""
+        params = self._client.param_serialize(
+            method=method, resource_path=path, query_params=query or [], body=body,
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            response_type="object", auth_settings=["BearerToken"],
-            _return_http_data_only=True, _preload_content=True)
+            auth_settings=["BearerToken"])
+        response = self._client.call_api(*params)
+        response.read()
+        return self._client.response_deserialize(response, {"2XX": "object"}).data
 
     def apply(self, obj: Obj) -> Obj:
         """Server-side apply under the one field manager; forced, so our fields win back."""

@@ -46,16 +46,16 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
     return RuntimeConfig(
         deployment=meta["name"],
         namespace=meta["namespace"],
-        phase=phase,  # type: ignore[arg-type]
+        phase=phase,
         engine_version=spec["engine"].get("version", "0.5.23"),
         model=ModelConfig(name=spec["model"]["name"], path=checkpoint_path(weights["uri"]),
                           uri=weights["uri"], context_length=plan.context_length),
         # Unset format: the first that can hold the dtype (int4: compressed-tensors).
-        weights=WeightsConfig(dtype=planned.spec.weights.dtype,  # type: ignore[arg-type]
+        weights=WeightsConfig(dtype=planned.spec.weights.dtype,
                               format=weights.get("format",
                                                  FORMATS_FOR_DTYPE[planned.spec.weights.dtype][0]),
                               group_size=weights.get("groupSize")),
-        kv_cache=KVCacheConfig(dtype=planned.spec.kv_dtype,  # type: ignore[arg-type]
+        kv_cache=KVCacheConfig(dtype=planned.spec.kv_dtype,
                                page_size=planned.spec.page_size),
         parallel=ParallelConfig(tensor=planned.spec.tensor_parallel,
                                 expert=planned.spec.expert_parallel,

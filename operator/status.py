@@ -73,7 +73,7 @@ def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,
                 make_condition(c.CAPACITY_PLANNED, FALSE, error.reason, str(error), generation)]
     out = []
     for type_ in (c.PRECISION_VALID, c.CAPACITY_PLANNED):
-        cond = plan.condition(type_)  # type: ignore[arg-type]
+        cond = plan.condition(type_)
         out.append(make_condition(type_, TRUE if cond.status else FALSE, cond.reason,
                                   cond.message, generation))
     return out

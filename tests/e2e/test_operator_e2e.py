@@ -48,16 +48,18 @@ class Operator:
         self.env, self.log, self.extra = env, log, extra
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, ready_line: str = "operator started") -> None:
+        """Launch, and wait until the log says `ready_line` (after this launch)."""
         offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tessera", "operator", "run",
                  "--resync-seconds", str(RESYNC_S), *self.extra],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        poll("the operator to start", lambda: "operator started" in self.text(offset)
-             or self.proc is None or self.proc.poll() is not None, timeout=60)
-        assert self.proc.poll() is None, self.text(offset)[-3000:]
+        proc = self.proc
+        poll(f"the operator log to say {ready_line!r}",
+             lambda: ready_line in self.text(offset) or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None, self.text(offset)[-3000:]
 
     def text(self, offset: int = 0) -> str:
         return self.log.read_bytes()[offset:].decode(errors="replace")
@@ -345,3 +347,28 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
                                      "json").stdout)["items"]
     assert len(replicasets) == 3  # one per Deployment: nothing was re-created with a new template
 
+
+
+def test_two_replicas_one_leads_the_other_takes_over(operator: Operator, kubectl: Any,
+                                                     namespace: str, cluster: Any) -> None:
+    operator.stop()  # the module's replica runs without election; these two replace it
+    lease = f"{namespace}/tessera-operator"
+    first, second = (Operator(cluster.env, operator.log.with_name(f"replica-{i}.log"),
+                              "--leader-election", lease) for i in (1, 2))
+    first.start()
+    second.start(ready_line="waiting for leadership")
+    try:
+        apply(kubectl, namespace, tiny("ha"))
+        wait_ready(kubectl, namespace, "ha")
+        assert "leading as" not in second.text()
+        first.kill()
+        poll("the second replica to lead", lambda: "leading as" in second.text(), timeout=40)
+        poll("the new leader to start", lambda: "operator started" in second.text())
+        changed = tiny("ha")
+        changed["spec"]["decode"]["replicas"] = 1
+        apply(kubectl, namespace, changed)
+        poll("decode scaled to 1 by the new leader",
+             lambda: len(pod_uids(kubectl, namespace, "decode")) == 1, timeout=60)
+    finally:
+        first.stop()
+        second.stop()
