@@ -1,0 +1,120 @@
+"""Pure functions from a runtime config to the command lines of SGLang 0.5.23 and its router.
+
+Flag names are the pinned release's (`sglang.srt.server_args`, `sglang_router.router_args`);
+the unit tests feed every argv back through those parsers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from tessera.runtime.config import ENGINE_VERSION, ConfigError, RouterConfig, RuntimeConfig
+
+# (weights dtype, checkpoint format) -> SGLang --quantization; None: unquantized BF16.
+# INT4 loads through the Marlin-backed methods, which SGLang uses on Hopper for W4A16.
+QUANTIZATION: dict[tuple[str, str], str | None] = {
+    ("bf16", "safetensors"): None,
+    ("fp8", "safetensors"): "fp8",
+    ("fp8", "compressed-tensors"): "compressed-tensors",
+    ("int4", "compressed-tensors"): "compressed-tensors",
+    ("int4", "awq"): "awq_marlin",
+    ("int4", "gptq"): "gptq_marlin",
+}
+
+SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")
+SGLANG_ROUTER = (sys.executable, "-m", "sglang_router.launch_router")
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where this pod sits in a replica that spans nodes (rank 0 hosts the rendezvous)."""
+
+    rank: int
+    dist_init_addr: str  # host:port of rank 0
+
+
+def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None) -> list[str]:
+    """The arguments for `python -m sglang.launch_server` that serve `config`."""
+    if config.engine_version != ENGINE_VERSION:
+        raise ConfigError(
+            f"engine_version {config.engine_version} is not supported: this runtime emits "
+            f"flags for SGLang {ENGINE_VERSION}; use the runtime image built for that version"
+        )
+    model, weights, kv, par = config.model, config.weights, config.kv_cache, config.parallel
+    argv = [
+        "--model-path", model.path,
+        "--served-model-name", model.name,
+        "--host", "0.0.0.0",
+        "--port", str(config.ports.http),
+        "--context-length", str(model.context_length),
+        # Activations are BF16 for every weight dtype (W4A16, FP8 block scales, BF16).
+        "--dtype", "bfloat16",
+        "--kv-cache-dtype", kv.dtype,
+        "--page-size", str(kv.page_size),
+        "--tp-size", str(par.tensor),
+        "--ep-size", str(par.expert),
+        "--attn-dp-size", str(par.attention_data),
+        "--enable-metrics",
+    ]
+    quantization = QUANTIZATION[(weights.dtype, weights.format)]
+    if quantization is not None:
+        argv += ["--quantization", quantization]
+    if model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if config.memory.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(config.memory.mem_fraction_static)]
+    if config.phase != "single":
+        pd = config.disaggregation
+        argv += [
+            "--disaggregation-mode", config.phase,
+            "--disaggregation-transfer-backend", pd.transfer_backend,
+            "--disaggregation-bootstrap-port", str(config.ports.bootstrap),
+        ]
+        if pd.ib_devices:
+            argv += ["--disaggregation-ib-device", ",".join(pd.ib_devices)]
+        if pd.kv_checksum:
+            argv.append("--disaggregation-enable-kv-checksum")
+    if par.nnodes > 1:
+        if node is None:
+            raise ConfigError(
+                f"parallel.nnodes is {par.nnodes}: this pod needs its node rank and the "
+                "rendezvous address (TESSERA_NODE_RANK, TESSERA_DIST_INIT_ADDR)"
+            )
+        if not 0 <= node.rank < par.nnodes:
+            raise ConfigError(f"node rank {node.rank} is outside 0..{par.nnodes - 1}")
+        argv += ["--nnodes", str(par.nnodes), "--node-rank", str(node.rank),
+                 "--dist-init-addr", node.dist_init_addr]
+    return argv
+
+
+def _selector(labels: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in sorted(labels.items())]
+
+
+def router_argv(config: RouterConfig) -> list[str]:
+    """The arguments for `python -m sglang_router.launch_router` that serve `config`."""
+    argv = ["--host", "0.0.0.0", "--port", str(config.port), "--policy", config.policy,
+            "--prometheus-port", str(config.metrics_port)]
+    if config.mode == "disaggregated":
+        argv.append("--pd-disaggregation")
+    if config.discovery is not None:
+        d = config.discovery
+        argv += ["--service-discovery", "--service-discovery-namespace", d.namespace,
+                 "--service-discovery-port", str(d.port)]
+        if config.mode == "disaggregated":
+            argv += ["--prefill-selector", *_selector(d.prefill_selector),
+                     "--decode-selector", *_selector(d.decode_selector)]
+        else:
+            argv += ["--selector", *_selector(d.single_selector)]
+        return argv
+    assert config.static is not None  # RouterConfig guarantees one of the two
+    s = config.static
+    if config.mode == "single":
+        return [*argv, "--worker-urls", *s.single]
+    for worker in s.prefill:
+        port = "none" if worker.bootstrap_port is None else str(worker.bootstrap_port)
+        argv += ["--prefill", worker.url, port]
+    for url in s.decode:
+        argv += ["--decode", url]
+    return argv
