@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh machine: the Python packages, then the control-plane binaries
+# (built from the Go module proxy once, then cached under ${TESSERA_CACHE:-~/.cache/tessera}).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+PIP=("$PYTHON" -m pip install --disable-pip-version-check --quiet)
+
+echo "== python packages: pip install -e '.[test]'"
+"${PIP[@]}" -e '.[test]'
+if [[ -f scripts/sglang-no-deps.txt ]]; then
+  echo "== python packages: SGLang without its GPU dependencies (scripts/sglang-no-deps.txt)"
+  "${PIP[@]}" --no-deps -r scripts/sglang-no-deps.txt
+fi
+
+echo "== control-plane binaries (first build: tens of minutes; then cached)"
+"$PYTHON" -m tessera dev-cluster build

@@ -1,0 +1,89 @@
+"""Simulated H200 nodes: pure builders for Node objects that kwok keeps alive and Ready."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+POOL_LABEL = "tessera.dev/pool"
+H200 = "NVIDIA-H200"
+# kwok manages only nodes carrying this annotation (see --manage-nodes-with-annotation-selector).
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_ANNOTATION_VALUE = "fake"
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class NodePool:
+    """A group of identical simulated GPU nodes, like one node pool of a cloud cluster."""
+
+    name: str
+    nodes: int = 2
+    gpus_per_node: int = 8
+    gpu_product: str = H200
+    cpu: str = "224"
+    memory: str = "2Ti"
+    max_pods: int = 250
+
+    def __post_init__(self) -> None:
+        if not _DNS_LABEL.match(self.name):
+            raise ValueError(
+                f"node pool name {self.name!r} is not a DNS label: use lowercase letters, "
+                "digits and '-', at most 42 characters"
+            )
+        if self.nodes < 1:
+            raise ValueError(f"node pool {self.name!r}: nodes must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"node pool {self.name!r}: gpus_per_node must be >= 0")
+
+
+DEFAULT_POOLS = (NodePool("prefill"), NodePool("decode"))
+
+
+def parse_pool(spec: str, gpus_per_node: int = 8) -> NodePool:
+    """Parse a CLI pool spec `NAME=COUNT` (e.g. `decode=4`)."""
+    name, sep, count = spec.partition("=")
+    if not sep or not count.isdigit():
+        raise ValueError(f"pool spec {spec!r} must look like NAME=COUNT, e.g. decode=2")
+    return NodePool(name=name, nodes=int(count), gpus_per_node=gpus_per_node)
+
+
+def node_name(pool: NodePool, index: int) -> str:
+    return f"h200-{pool.name}-{index}"
+
+
+def node_manifest(pool: NodePool, index: int) -> dict[str, Any]:
+    resources = {
+        "cpu": pool.cpu,
+        "memory": pool.memory,
+        "pods": str(pool.max_pods),
+        GPU_RESOURCE: str(pool.gpus_per_node),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": node_name(pool, index),
+            "annotations": {KWOK_ANNOTATION: KWOK_ANNOTATION_VALUE},
+            "labels": {
+                "kubernetes.io/hostname": node_name(pool, index),
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                GPU_PRODUCT_LABEL: pool.gpu_product,
+                POOL_LABEL: pool.name,
+            },
+        },
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def node_manifests(pools: tuple[NodePool, ...]) -> list[dict[str, Any]]:
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"node pool names must be unique, got {names}")
+    return [node_manifest(pool, i) for pool in pools for i in range(pool.nodes)]
