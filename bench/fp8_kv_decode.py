@@ -1,0 +1,413 @@
+"""Benchmark the paged FP8 and BF16 KV-cache kernels against their peers on one GPU.
+
+Decode attention (GQA and MLA): our BF16 and FP8 paged kernels, torch SDPA (BF16, contiguous
+cache), and SGLang's Triton decode attention (BF16 and FP8 with a per-tensor scale, page size 1
+token indices, its default 8 KV splits), read from SGLang's source file without importing the
+rest of SGLang. Also quantize-on-write against the BF16 store (``cache[slots] = new``, what
+SGLang does) and the BF16 -> FP8 page conversion. Every time is the median of CUDA-graph
+replays of many calls cycling through several page sets (working set above the 60 MB L2),
+all in this one run; bandwidth counts the KV bytes (and FP8 scales) each call must read.
+
+    python bench/fp8_kv_decode.py [--quick] [--tune] [--sglang-kernel PATH] [--out DIR]
+
+Prints a table last and writes fp8_kv_decode.json (and fp8_kv_tune.json with --tune).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import types
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
+from tessera.kernels.fp8_kv_quant import write_kv_fp8
+from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
+from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
+from tessera.kernels.paged_decode_split import DecodeConfig
+from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
+
+L2_BYTES = 60 * 2**20
+SGLANG_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
+
+
+def graph_time_us(calls, sets: int, replays: int = 7) -> float:
+    """Median time of one call, from CUDA-graph replays of ``calls(i)`` for i cycling over sets."""
+    per_graph = max(sets, 12)
+    for i in range(sets):  # compile and warm up outside the capture
+        calls(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            calls(i % sets)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_graph)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, read + write counted."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    t = graph_time_us(lambda i: dst.copy_(src), 1)
+    return 2 * src.numel() * 4 / (t * 1e-6)
+
+
+def load_sglang_decode(path: Path):
+    """SGLang's ``decode_attention_fwd_grouped`` from its source file. Its one SGLang import,
+    ``sglang.srt.utils.is_hip``, is stubbed (benchmark only) so nothing else of SGLang loads."""
+    for name in ("sglang", "sglang.srt"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_hip = lambda: False  # type: ignore[attr-defined]
+    sys.modules["sglang.srt.utils"] = utils
+    spec = importlib.util.spec_from_file_location("sglang_decode_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.decode_attention_fwd_grouped
+
+
+class PagedCase:
+    """``sets`` disjoint page sets over one pool, each ``batch`` requests of ``ctx`` tokens."""
+
+    def __init__(self, batch, ctx, kv_heads, dim, page_size, bytes_per_token, with_scales=True):
+        per_set = batch * ctx * bytes_per_token
+        self.sets = max(1, min(16, math.ceil(4 * L2_BYTES / per_set)))
+        pages_per_req = math.ceil(ctx / page_size)
+        num_pages = self.sets * batch * pages_per_req
+        self.batch, self.ctx, self.page_size = batch, ctx, page_size
+        perm = torch.randperm(num_pages, device="cuda").view(self.sets, batch, pages_per_req)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * pages_per_req
+        self.tables = [
+            PageTable(indptr, perm[s].flatten().to(torch.int32), lens, page_size, 1)
+            for s in range(self.sets)
+        ]
+        offs = torch.arange(page_size, device="cuda")
+        token_slots = (perm[..., None] * page_size + offs).flatten(2)[..., :ctx]  # [sets, B, ctx]
+        self.sg_indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * ctx
+        self.sg_indices = [token_slots[s].flatten() for s in range(self.sets)]  # int64
+        self.sg_splits = torch.full((batch,), SGLANG_SPLITS, dtype=torch.int32, device="cuda")
+        self.num_pages = num_pages
+        self.token_slots = token_slots
+
+
+def fp8_copies(rows_bf16: torch.Tensor):
+    """(per-(token, head) FP8 cache, its scales, per-tensor FP8 cache, its scale)."""
+    n = rows_bf16.shape[0] * rows_bf16.shape[1]
+    slots = torch.arange(n, device="cuda")
+    flat = rows_bf16.flatten(0, 1)
+    c_tok = torch.empty(rows_bf16.shape, dtype=FP8_DTYPE, device="cuda")
+    s_tok = torch.empty(rows_bf16.shape[:-1], device="cuda")
+    write_kv_fp8(flat, c_tok, s_tok, slots)
+    c_pt = torch.empty_like(c_tok)
+    s_pt = torch.tensor(flat.abs().amax().float().item() / 448.0, device="cuda")
+    write_kv_fp8(flat, c_pt, s_pt, slots)
+    return c_tok, s_tok, c_pt, s_pt
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_gqa(batch, ctx, heads, kv_heads, dim, page_size, sglang, copy_bw, config=None):
+    case = PagedCase(batch, ctx, kv_heads, dim, page_size, kv_heads * dim * 4)
+    shape = (case.num_pages, page_size, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    k8, ks, k8pt, kspt = fp8_copies(k)
+    v8, vs, v8pt, vspt = fp8_copies(v)
+    q = [torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+         for _ in range(case.sets)]  # fmt: skip
+    out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    sm = dim**-0.5
+    cfg = {"config": config} if config else {}
+
+    def ours_bf16(i):
+        return paged_decode_bf16(q[i], k, v, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg)
+
+    def ours_fp8(i):
+        return paged_decode_fp8(
+            q[i], k8, v8, ks, vs, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg
+        )
+
+    row = {"kind": "gqa", "batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
+           "dim": dim, "page_size": page_size, "sets": case.sets}  # fmt: skip
+    if config:
+        row["config"] = asdict(config)
+    row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
+    row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
+    kv_bytes_bf16 = batch * ctx * kv_heads * dim * 2 * 2
+    kv_bytes_fp8 = batch * ctx * kv_heads * (dim * 2 + 2 * 4)
+    row["ours_bf16_TBps"] = kv_bytes_bf16 / row["ours_bf16_us"] / 1e6
+    row["ours_fp8_TBps"] = kv_bytes_fp8 / row["ours_fp8_us"] / 1e6
+    row["ours_bf16_frac_copy_bw"] = row["ours_bf16_TBps"] * 1e12 / copy_bw
+    row["fp8_vs_bf16"] = row["ours_bf16_us"] / row["ours_fp8_us"]
+    if config:
+        return row
+
+    # torch SDPA over a contiguous BF16 cache: the same tokens gathered, [B, kv_heads, ctx, d]
+    kc = [k.flatten(0, 1)[case.token_slots[s]].transpose(1, 2).contiguous()
+          for s in range(case.sets)]  # fmt: skip
+    vc = [v.flatten(0, 1)[case.token_slots[s]].transpose(1, 2).contiguous()
+          for s in range(case.sets)]  # fmt: skip
+
+    def sdpa(i):
+        return F.scaled_dot_product_attention(
+            q[i].unsqueeze(2), kc[i], vc[i], scale=sm, enable_gqa=True
+        ).squeeze(2)
+
+    row["sdpa_bf16_us"] = graph_time_us(sdpa, case.sets)
+    ref = sdpa(0).clone()
+    row["rel_l2_ours_bf16_vs_sdpa"] = rel_l2(ours_bf16(0), ref)
+    fp8_out = ours_fp8(0)
+    row["rel_l2_ours_fp8_vs_sdpa"] = rel_l2(fp8_out, ref)
+    row["one_minus_cos_fp8"] = (
+        1 - F.cosine_similarity(fp8_out.float().flatten(), ref.float().flatten(), dim=0).item()
+    )
+    row["fp8_vs_sdpa"] = row["sdpa_bf16_us"] / row["ours_fp8_us"]
+    if sglang:
+        logits = torch.empty(batch, heads, SGLANG_SPLITS, dim, device="cuda")
+        lse = torch.empty(batch, heads, SGLANG_SPLITS, device="cuda")
+        kb, vb = k.flatten(0, 1), v.flatten(0, 1)
+        k8b, v8b = k8pt.flatten(0, 1), v8pt.flatten(0, 1)
+        kscale, vscale = kspt.item(), vspt.item()
+
+        def sg(i, kbuf, vbuf, k_scale, v_scale):
+            sglang(q[i], kbuf, vbuf, out, case.sg_indptr, case.sg_indices[i], logits, lse,
+                   case.sg_splits, SGLANG_SPLITS, sm * k_scale, v_scale)  # fmt: skip
+            return out
+
+        row["sglang_bf16_us"] = graph_time_us(lambda i: sg(i, kb, vb, 1.0, 1.0), case.sets)
+        row["sglang_fp8_us"] = graph_time_us(lambda i: sg(i, k8b, v8b, kscale, vscale), case.sets)
+        row["rel_l2_sglang_bf16_vs_sdpa"] = rel_l2(sg(0, kb, vb, 1.0, 1.0), ref)
+        row["bf16_vs_sglang_bf16"] = row["sglang_bf16_us"] / row["ours_bf16_us"]
+        row["fp8_vs_sglang_fp8"] = row["sglang_fp8_us"] / row["ours_fp8_us"]
+    return row
+
+
+def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None):
+    latent, rope = 512, 64
+    case = PagedCase(batch, ctx, 1, latent + rope, page_size, (latent + rope) * 2)
+    kv = torch.randn(case.num_pages, page_size, 1, latent + rope, device="cuda").bfloat16()
+    kv8, s8, kv8pt, s8pt = fp8_copies(kv)
+    q = [torch.randn(batch, heads, latent + rope, device="cuda", dtype=torch.bfloat16)
+         for _ in range(case.sets)]  # fmt: skip
+    out = torch.empty(batch, heads, latent, device="cuda", dtype=torch.bfloat16)
+    sm = (128 + rope) ** -0.5
+    cfg = {"config": config} if config else {}
+
+    def ours_bf16(i):
+        return paged_decode_mla_bf16(q[i], kv, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg)
+
+    def ours_fp8(i):
+        return paged_decode_mla_fp8(
+            q[i], kv8, s8, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg
+        )
+
+    row = {"kind": "mla", "batch": batch, "ctx": ctx, "heads": heads, "page_size": page_size,
+           "sets": case.sets}  # fmt: skip
+    if config:
+        row["config"] = asdict(config)
+    row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
+    row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
+    row["ours_bf16_TBps"] = batch * ctx * (latent + rope) * 2 / row["ours_bf16_us"] / 1e6
+    row["ours_fp8_TBps"] = batch * ctx * (latent + rope + 4) / row["ours_fp8_us"] / 1e6
+    row["ours_bf16_frac_copy_bw"] = row["ours_bf16_TBps"] * 1e12 / copy_bw
+    row["fp8_vs_bf16"] = row["ours_bf16_us"] / row["ours_fp8_us"]
+    if config:
+        return row
+    bf16_out = ours_bf16(0).clone()
+    fp8_out = ours_fp8(0)
+    row["rel_l2_fp8_vs_bf16"] = rel_l2(fp8_out, bf16_out)
+    if sglang:
+        logits = torch.empty(batch, heads, SGLANG_SPLITS, latent, device="cuda")
+        lse = torch.empty(batch, heads, SGLANG_SPLITS, device="cuda")
+        kb, k8b = kv.flatten(0, 1), kv8pt.flatten(0, 1)
+        kscale = s8pt.item()
+
+        def sg(i, kbuf, k_scale):
+            sglang(q[i], kbuf, kbuf[..., :latent], out, case.sg_indptr, case.sg_indices[i],
+                   logits, lse, case.sg_splits, SGLANG_SPLITS, sm * k_scale, k_scale)  # fmt: skip
+            return out
+
+        row["sglang_bf16_us"] = graph_time_us(lambda i: sg(i, kb, 1.0), case.sets)
+        row["sglang_fp8_us"] = graph_time_us(lambda i: sg(i, k8b, kscale), case.sets)
+        row["rel_l2_sglang_bf16_vs_ours_bf16"] = rel_l2(sg(0, kb, 1.0), bf16_out)
+        row["bf16_vs_sglang_bf16"] = row["sglang_bf16_us"] / row["ours_bf16_us"]
+        row["fp8_vs_sglang_fp8"] = row["sglang_fp8_us"] / row["ours_fp8_us"]
+    return row
+
+
+def bench_write(tokens, kv_heads, dim):
+    slots_total = 16 * tokens
+    rows = torch.empty(slots_total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    rows8 = torch.empty(slots_total, kv_heads, dim, device="cuda", dtype=FP8_DTYPE)
+    scales = torch.empty(slots_total, kv_heads, device="cuda")
+    one = torch.tensor(1.0, device="cuda")
+    sets = 8
+    new = [torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+           for _ in range(sets)]  # fmt: skip
+    slots = [torch.randperm(slots_total, device="cuda")[:tokens] for _ in range(sets)]
+
+    def store_bf16(i):
+        rows[slots[i]] = new[i]
+
+    row = {"kind": "write", "tokens": tokens, "kv_heads": kv_heads, "dim": dim}
+    row["bf16_store_us"] = graph_time_us(store_bf16, sets)
+    row["fp8_write_token_head_us"] = graph_time_us(
+        lambda i: write_kv_fp8(new[i], rows8, scales, slots[i]), sets
+    )
+    row["fp8_write_per_tensor_us"] = graph_time_us(
+        lambda i: write_kv_fp8(new[i], rows8, one, slots[i]), sets
+    )
+    row["fp8_vs_bf16_store_time"] = row["fp8_write_token_head_us"] / row["bf16_store_us"]
+    return row
+
+
+def bench_convert(pages, page_size, kv_heads, dim, copy_bw):
+    src = torch.randn(2 * pages, page_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty(2 * pages, page_size, kv_heads, dim, device="cuda", dtype=FP8_DTYPE)
+    scale = torch.empty(2 * pages, page_size, kv_heads, device="cuda")
+    src_pages = [torch.randperm(2 * pages, device="cuda")[:pages] for _ in range(2)]
+    dst_pages = [torch.randperm(2 * pages, device="cuda")[:pages] for _ in range(2)]
+    t = graph_time_us(
+        lambda i: convert_pages_bf16_to_fp8(src, dst, scale, src_pages[i], dst_pages[i]), 2
+    )
+    moved = pages * page_size * kv_heads * (dim * 3 + 4)
+    return {"kind": "convert", "pages": pages, "page_size": page_size, "kv_heads": kv_heads,
+            "dim": dim, "us": t, "TBps": moved / t / 1e6,
+            "frac_copy_bw": moved / t / 1e6 * 1e12 / copy_bw}  # fmt: skip
+
+
+def tune(copy_bw) -> list[dict]:
+    rows = []
+    gqa = [DecodeConfig(bn, 16, w, s) for bn in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 3))]
+    for ctx in (4096, 16384):
+        for c in gqa:
+            rows.append(bench_gqa(64, ctx, 32, 8, 128, 64, None, copy_bw, config=c))
+            print(_tune_line(rows[-1]), flush=True)
+    mla = [DecodeConfig(bn, bh, w, s) for bn, bh, w, s in (
+        (32, 16, 4, 2), (16, 16, 4, 2), (64, 16, 8, 2), (32, 32, 8, 2), (32, 16, 4, 3),
+        (16, 32, 4, 2), (32, 64, 8, 1), (16, 64, 8, 2))]  # fmt: skip
+    for heads in (16, 64):
+        for c in mla:
+            rows.append(bench_mla(64, 8192, heads, 64, None, copy_bw, config=c))
+            print(_tune_line(rows[-1]), flush=True)
+    return rows
+
+
+def _tune_line(r):
+    c = r["config"]
+    return (f"tune {r['kind']} h{r['heads']:3d} ctx{r['ctx']:6d} bn{c['block_n']:4d} "
+            f"bh{c['block_h']:3d} w{c['num_warps']} s{c['num_stages']}: "
+            f"bf16 {r['ours_bf16_us']:8.1f}us ({r['ours_bf16_frac_copy_bw']:.2f} of copy) "
+            f"fp8 {r['ours_fp8_us']:8.1f}us  x{r['fp8_vs_bf16']:.2f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")
+    ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "driver": subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv), "copy_bw_TBps": copy_bw / 1e12,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        rows = tune(copy_bw)
+        (args.out / "fp8_kv_tune.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        return
+    sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
+
+    rows = []
+    gqa_grid = [(64, 4096), (64, 16384), (8, 1024), (1, 256)] if args.quick else [
+        (b, c) for b in (1, 8, 32, 64, 128) for c in (256, 1024, 4096, 16384, 32768)
+        if b * c <= 64 * 32768]  # fmt: skip
+    for page_size in (16, 64) if not args.quick else (64,):
+        for batch, ctx in gqa_grid:
+            rows.append(bench_gqa(batch, ctx, 32, 8, 128, page_size, sglang, copy_bw))
+            print(_gqa_line(rows[-1]), flush=True)
+    for heads, kvh, dim in ((64, 8, 128), (16, 4, 64), (8, 2, 256)):
+        rows.append(bench_gqa(64, 8192, heads, kvh, dim, 64, sglang, copy_bw))
+        print(_gqa_line(rows[-1]), flush=True)
+    mla_grid = (
+        [(64, 8192, 16), (64, 4096, 64)]
+        if args.quick
+        else [(b, c, h) for h in (16, 64, 128) for b, c in ((64, 4096), (64, 16384), (8, 8192))]
+    )
+    for batch, ctx, heads in mla_grid:
+        rows.append(bench_mla(batch, ctx, heads, 64, sglang, copy_bw))
+        print(_mla_line(rows[-1]), flush=True)
+    for tokens in (64, 1024, 8192):
+        for kvh, dim in ((8, 128), (1, 576)):
+            rows.append(bench_write(tokens, kvh, dim))
+            r = rows[-1]
+            print(f"write {tokens:5d} tok {kvh}x{dim}: bf16 store {r['bf16_store_us']:7.1f}us "
+                  f"fp8 {r['fp8_write_token_head_us']:7.1f}us (per tensor "
+                  f"{r['fp8_write_per_tensor_us']:7.1f}us)  x{r['fp8_vs_bf16_store_time']:.2f}"
+                  " of bf16 time", flush=True)  # fmt: skip
+    rows.append(bench_convert(2048, 64, 8, 128, copy_bw))
+    r = rows[-1]
+    print(f"convert 2048 pages of 64x8x128: {r['us']:.1f}us {r['TBps']:.2f} TB/s "
+          f"({r['frac_copy_bw']:.2f} of copy)", flush=True)  # fmt: skip
+    (args.out / "fp8_kv_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print("\n".join([f"copy bandwidth {copy_bw / 1e12:.2f} TB/s"]
+                    + [_gqa_line(r) if r["kind"] == "gqa" else _mla_line(r)
+                       for r in rows if r["kind"] in ("gqa", "mla")]))  # fmt: skip
+
+
+def _gqa_line(r):
+    sg = (f" sglang bf16 {r['sglang_bf16_us']:7.1f} fp8 {r['sglang_fp8_us']:7.1f}"
+          f" | ours/sg bf16 x{r['bf16_vs_sglang_bf16']:.2f} fp8 x{r['fp8_vs_sglang_fp8']:.2f}"
+          if "sglang_bf16_us" in r else "")  # fmt: skip
+    return (f"gqa {r['heads']}/{r['kv_heads']} d{r['dim']} P{r['page_size']:2d} "
+            f"B{r['batch']:3d} ctx{r['ctx']:6d}: bf16 {r['ours_bf16_us']:7.1f}us "
+            f"({r['ours_bf16_frac_copy_bw']:.2f} copy) fp8 {r['ours_fp8_us']:7.1f}us "
+            f"x{r['fp8_vs_bf16']:.2f} | sdpa {r['sdpa_bf16_us']:7.1f} x{r['fp8_vs_sdpa']:.2f}"
+            f"{sg} | err {r['rel_l2_ours_fp8_vs_sdpa']:.3f}")  # fmt: skip
+
+
+def _mla_line(r):
+    sg = (f" sglang bf16 {r['sglang_bf16_us']:7.1f} fp8 {r['sglang_fp8_us']:7.1f}"
+          f" | ours/sg bf16 x{r['bf16_vs_sglang_bf16']:.2f} fp8 x{r['fp8_vs_sglang_fp8']:.2f}"
+          if "sglang_bf16_us" in r else "")  # fmt: skip
+    return (f"mla h{r['heads']:3d} P{r['page_size']} B{r['batch']:3d} ctx{r['ctx']:6d}: "
+            f"bf16 {r['ours_bf16_us']:7.1f}us ({r['ours_bf16_frac_copy_bw']:.2f} copy) "
+            f"fp8 {r['ours_fp8_us']:7.1f}us x{r['fp8_vs_bf16']:.2f}{sg} "
+            f"| err {r['rel_l2_fp8_vs_bf16']:.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
