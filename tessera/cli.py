@@ -14,6 +14,7 @@ import sys
 # subcommand module -> its one-line help. Each module defines register(subparsers).
 SUBCOMMANDS: dict[str, str] = {
     "tessera.devcluster.cli": "local Kubernetes control plane with simulated H200 nodes",
+    "tessera.demo": "the whole project on one machine: cluster, chart, operator, examples",
     "tessera.operator.cli": "run the ModelDeployment operator",
     "tessera.runtime.planner.cli": "capacity plan of a ModelDeployment",
     "tessera.runtime.quantize.cli": "FP8/BF16 checkpoint -> INT4 W4A16 checkpoint",

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
+from tessera.operator import constants as c
 
 from tessera.cli import build_parser
 from tessera.devcluster.build import Binaries, cache_root
-from tessera.operator import constants as c
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tessera-operator"
