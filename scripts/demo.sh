@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The demo, for now: a real local control plane with simulated H200 pools, and its GPU nodes.
+# THE demo (`make demo`): set up a fresh machine, then `tessera demo up`: a real local control
+# plane with simulated H200 pools, the Helm chart, the operator running locally as the chart's
+# ServiceAccount, the examples followed to Ready, their capacity plans and endpoints.
+# Re-running it is safe (everything is reused or re-applied). `tessera demo down` undoes it.
+# Extra arguments go to `tessera demo up` (e.g. --timeout 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+SECONDS=0
 
 bash scripts/setup.sh
-"$PYTHON" -m tessera dev-cluster up
-eval "$("$PYTHON" -m tessera dev-cluster env)"
+"$PYTHON" -m tessera demo up "$@"
 
 echo
-kubectl version
-echo
-echo "GPU nodes:"
-kubectl get nodes -o custom-columns='NAME:.metadata.name,POOL:.metadata.labels.tessera\.dev/pool,PRODUCT:.metadata.labels.nvidia\.com/gpu\.product,GPUS:.status.allocatable.nvidia\.com/gpu,READY:.status.conditions[?(@.type=="Ready")].status'
-echo
-echo "The cluster keeps running. Use it:  eval \"\$(tessera dev-cluster env)\"; kubectl get nodes"
-echo "Stop it:                            tessera dev-cluster down"
+echo "make demo took ${SECONDS} s (set-up included)."
+echo "Use the cluster:  eval \"\$($PYTHON -m tessera dev-cluster env)\"; kubectl get modeldeployments -A"
+echo "Stop everything:  $PYTHON -m tessera demo down"

@@ -138,18 +138,20 @@ def install_chart(cluster: DevCluster) -> None:
 
 # -- the operator, as the chart's ServiceAccount --
 
-def service_account_kubeconfig(cluster: DevCluster, token: str) -> dict[str, Any]:
-    """The admin kubeconfig's cluster entry with the ServiceAccount's token as the only user."""
+def service_account_kubeconfig(cluster: DevCluster, token: str, namespace: str = OPERATOR_NAMESPACE,
+                               name: str = RELEASE) -> dict[str, Any]:
+    """The admin kubeconfig's cluster entry with ServiceAccount `namespace/name`'s token as the
+    only user: a client using it can do exactly what that ServiceAccount may."""
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
     context = next(ctx for ctx in admin["contexts"]
                    if ctx["name"] == admin["current-context"])["context"]
     entry = next(cl for cl in admin["clusters"] if cl["name"] == context["cluster"])
-    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
+    user = f"system:serviceaccount:{namespace}:{name}"
     return {
-        "apiVersion": "v1", "kind": "Config", "current-context": RELEASE,
+        "apiVersion": "v1", "kind": "Config", "current-context": name,
         "clusters": [entry],
         "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": RELEASE, "context": {"cluster": entry["name"], "user": user}}],
+        "contexts": [{"name": name, "context": {"cluster": entry["name"], "user": user}}],
     }
 
 
