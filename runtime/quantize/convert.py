@@ -34,7 +34,7 @@ MANIFEST_VERSION = 1
 class Progress:
     """A progress line on stderr: a live bar on a terminal, a line every few seconds in logs."""
 
-    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr, every_s: float = 5.0):
+    def __init__(self, total_bytes: int, stream: TextIO, every_s: float = 5.0):
         self.total, self.done, self.stream = total_bytes, 0, stream
         self.live = stream.isatty()
         self.every_s = 0.2 if self.live else every_s
@@ -59,14 +59,14 @@ class Progress:
 
 
 def convert(src: Path, dst: Path, options: Options, device: str = "cpu",
-            progress_stream: TextIO = sys.stderr) -> dict[str, Any]:
+            progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Converts `src` into `dst` (resuming a previous run there) and returns the manifest."""
     ckpt = read_checkpoint(src)
     plan = make_plan(ckpt, options)
     dst.mkdir(parents=True, exist_ok=True)
     manifest = _start_manifest(dst, ckpt, options)
     total = sum(step.source_bytes for steps in plan.shards.values() for step in steps)
-    progress = Progress(total, progress_stream)
+    progress = Progress(total, progress_stream or sys.stderr)
     for file, steps in plan.shards.items():
         shard_bytes = sum(step.source_bytes for step in steps)
         done = manifest["shards"].get(file)
