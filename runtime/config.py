@@ -60,15 +60,15 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     name: str = Field(min_length=1, description="served model name, as clients ask for it")
     path: str = Field(min_length=1, description="checkpoint directory inside the pod")
-    uri: str | None = Field(None, description="where the checkpoint came from (informational)")
-    context_length: int = Field(131072, ge=1)
+    uri: str | None = Field(default=None, description="where the checkpoint came from")
+    context_length: int = Field(default=131072, ge=1)
     trust_remote_code: bool = False
 
 
 class WeightsConfig(_Frozen):
     dtype: WeightsDtype = "bf16"
     format: CheckpointFormat = "safetensors"
-    group_size: int | None = Field(None, description="INT4 quantization group size")
+    group_size: int | None = Field(default=None, description="INT4 quantization group size")
 
     @model_validator(mode="after")
     def _format_holds_dtype(self) -> Self:
@@ -101,10 +101,10 @@ class KVCacheConfig(_Frozen):
 class ParallelConfig(_Frozen):
     """SGLang's sizes: with attention data parallel the GPUs of a replica are still `tensor`."""
 
-    tensor: int = Field(1, ge=1)
-    expert: int = Field(1, ge=1)
-    attention_data: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1, description="nodes one replica spans")
+    tensor: int = Field(default=1, ge=1)
+    expert: int = Field(default=1, ge=1)
+    attention_data: int = Field(default=1, ge=1)
+    nnodes: int = Field(default=1, ge=1, description="nodes one replica spans")
 
     @model_validator(mode="after")
     def _divides_tensor(self) -> Self:
@@ -124,9 +124,9 @@ class ParallelConfig(_Frozen):
 class MemoryConfig(_Frozen):
     """The capacity plan for one GPU of this phase, as the operator's planner computed it."""
 
-    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    planned_weights_bytes_per_gpu: int | None = Field(None, ge=0)
-    planned_kv_pool_bytes_per_gpu: int | None = Field(None, ge=0)
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
+    planned_weights_bytes_per_gpu: int | None = Field(default=None, ge=0)
+    planned_kv_pool_bytes_per_gpu: int | None = Field(default=None, ge=0)
 
     @property
     def planned_bytes_per_gpu(self) -> int | None:
@@ -136,9 +136,9 @@ class MemoryConfig(_Frozen):
 
 
 class PortsConfig(_Frozen):
-    http: int = Field(30000, ge=1, le=65535)
-    bootstrap: int = Field(8998, ge=1, le=65535, description="PD KV handoff (prefill side)")
-    metrics: int = Field(9400, ge=1, le=65535, description="tessera-runtime's own metrics")
+    http: int = Field(default=30000, ge=1, le=65535)
+    bootstrap: int = Field(default=8998, ge=1, le=65535)  # PD KV handoff, prefill side
+    metrics: int = Field(default=9400, ge=1, le=65535)  # tessera-runtime's own metrics
 
 
 class DisaggregationConfig(_Frozen):
@@ -146,7 +146,7 @@ class DisaggregationConfig(_Frozen):
 
     transfer_backend: TransferBackend = "mooncake"
     ib_devices: tuple[str, ...] = ()
-    kv_checksum: bool = Field(False, description="SGLang's PD checksum; must match on both roles")
+    kv_checksum: bool = False  # SGLang's PD checksum; must be the same on both roles
 
 
 class IntegrityConfig(_Frozen):
@@ -236,14 +236,14 @@ class RuntimeConfig(_Versioned):
     phase: Phase
     engine_version: str = ENGINE_VERSION
     model: ModelConfig
-    weights: WeightsConfig = WeightsConfig()
-    kv_cache: KVCacheConfig = KVCacheConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    memory: MemoryConfig = MemoryConfig()
-    ports: PortsConfig = PortsConfig()
-    disaggregation: DisaggregationConfig = DisaggregationConfig()
-    integrity: IntegrityConfig = IntegrityConfig()
-    kernels: KernelsConfig = KernelsConfig()
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    ports: PortsConfig = Field(default_factory=PortsConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
 
     @model_validator(mode="after")
     def _phase_consistent(self) -> Self:
@@ -257,7 +257,7 @@ class RuntimeConfig(_Versioned):
 
 class PrefillWorker(_Frozen):
     url: str = Field(min_length=1)
-    bootstrap_port: int | None = Field(8998, ge=1, le=65535)
+    bootstrap_port: int | None = Field(default=8998, ge=1, le=65535)
 
 
 class StaticWorkers(_Frozen):
@@ -273,7 +273,7 @@ class Discovery(_Frozen):
     `sglang.ai/bootstrap-port` annotation."""
 
     namespace: str = Field(min_length=1)
-    port: int = Field(30000, ge=1, le=65535)
+    port: int = Field(default=30000, ge=1, le=65535)
     prefill_selector: dict[str, str] = {}
     decode_selector: dict[str, str] = {}
     single_selector: dict[str, str] = {}
@@ -283,8 +283,8 @@ class RouterConfig(_Versioned):
     """The router in front of the engine pods."""
 
     mode: Literal["disaggregated", "single"]
-    port: int = Field(8000, ge=1, le=65535)
-    metrics_port: int = Field(29000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=1, le=65535)
+    metrics_port: int = Field(default=29000, ge=1, le=65535)
     policy: RouterPolicy = "cache_aware"
     static: StaticWorkers | None = None
     discovery: Discovery | None = None

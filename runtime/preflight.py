@@ -11,6 +11,7 @@ termination message together say what is wrong without reading logs.
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -237,6 +238,13 @@ def probe_gpus() -> list[GpuFacts]:
                               capability=torch.cuda.get_device_capability(i),
                               total_bytes=total, free_bytes=free))
     return facts
+
+
+def probe_gpus_isolated() -> list[GpuFacts]:
+    """`probe_gpus` in a throwaway process: the CUDA contexts it opens (hundreds of MiB on
+    every GPU) must be gone before the engine starts."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(probe_gpus)
 
 
 def read_checkpoint(path: str) -> CheckpointFacts:
