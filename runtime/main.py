@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from tessera.runtime.config import (
@@ -157,16 +157,18 @@ def cmd_router(args: argparse.Namespace) -> int:
     os.execv(argv[0], argv)
 
 
+COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "serve": (cmd_serve, "preflight, metrics, then SGLang for this phase"),
+    "preflight": (cmd_preflight, "only the checks; exit code says which failed"),
+    "router": (cmd_router, "run the SGLang router for a RouterConfig"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera-runtime",
                                      description="Runs one tessera engine or router pod.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = {
-        "serve": (cmd_serve, "preflight, metrics, then SGLang for this phase"),
-        "preflight": (cmd_preflight, "only the checks; exit code says which failed"),
-        "router": (cmd_router, "run the SGLang router for a RouterConfig"),
-    }
-    for name, (func, help_text) in commands.items():
+    for name, (func, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help=f"runtime config file (default: ${ENV_CONFIG})")
         p.add_argument("--termination-log", default=TERMINATION_LOG,
