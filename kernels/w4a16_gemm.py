@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-MAGIC = 8388608.0  # 2**23: the fp32 whose low mantissa bits are the code
+MAGIC = tl.constexpr(8388608.0)  # 2**23: the fp32 whose low mantissa bits are the code
 
 
 @triton.jit
@@ -55,52 +55,79 @@ def _plane(words, i: tl.constexpr, magic_zero):
 
 
 @triton.jit
+def _load_step(
+    qw_ptr, s_ptr, z_ptr, step, row_end, offs_n, n_mask, K, stride_qk, stride_sk,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Words ``[R, BN]`` (word rows ``>= row_end`` masked off), scales and ``2**23 + zero``
+    (``[1, BN]`` when one group spans the step, else ``[R, BN]``) of K step ``step``."""
+    R: tl.constexpr = BLOCK_K // 8
+    rows = step * R + tl.arange(0, R)
+    mask = (rows < row_end)[:, None] & n_mask[None, :]
+    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
+    if GROUP % BLOCK_K == 0:
+        # clamped so that a step past the end reads a real (unused) row
+        g = tl.minimum(step * BLOCK_K // GROUP, K // GROUP - 1)
+        g_off = g * stride_sk + offs_n[None, :]
+        mask = n_mask[None, :]
+    else:
+        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+    scale = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32) + MAGIC
+    else:
+        zero = tl.zeros_like(scale) + (MAGIC + 8.0)
+    return words, scale, zero
+
+
+@triton.jit
 def _w4a16_accumulate(
     acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
     K, stride_qk, stride_sk, step_begin, step_end,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     """acc[BM, BN] += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
-    ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element."""
+    ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element.
+
+    The next step's words and scales are loaded before this step's maths, so memory latency
+    overlaps the decode. ``USE_DOT``: tensor-core dots (any M); otherwise fp32 FMAs into a
+    ``[BM, R, BN]`` accumulator reduced once at the end (M <= 4: no dot-operand shuffles).
+    """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
-    k_words, n_groups = K // 8, K // GROUP
+    scale_after_dot: tl.constexpr = USE_DOT and GROUP % BLOCK_K == 0
+    if not USE_DOT:
+        acc3 = tl.zeros((acc.shape[0], R, acc.shape[1]), dtype=tl.float32)
+    row_end = tl.minimum(K // 8, step_end * R)  # this K range's last word row, exclusive
+    words, scale, zero = _load_step(
+        qw_ptr, s_ptr, z_ptr, step_begin, row_end, offs_n, n_mask, K,
+        stride_qk, stride_sk, GROUP, HAS_ZEROS, BLOCK_K,
+    )  # fmt: skip
     for step in range(step_begin, step_end):
-        rows = step * R + offs_r
-        r_mask = rows < k_words
-        words = tl.load(
-            qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
-            mask=r_mask[:, None] & n_mask[None, :], other=0,
+        next_words, next_scale, next_zero = _load_step(
+            qw_ptr, s_ptr, z_ptr, step + 1, row_end, offs_n, n_mask, K,
+            stride_qk, stride_sk, GROUP, HAS_ZEROS, BLOCK_K,
         )  # fmt: skip
         x_step = x_rows + (step * BLOCK_K + offs_r * 8)[None, :]
-        x_mask = m_mask[:, None] & r_mask[None, :]
-        if GROUP % BLOCK_K == 0:
+        x_mask = m_mask[:, None] & ((step * BLOCK_K + offs_r * 8) < K)[None, :]
+        if scale_after_dot:
             # one group spans the step: scale the [BM, BN] partial sum, not every weight
-            g = step * BLOCK_K // GROUP
-            scale = tl.load(s_ptr + g * stride_sk + offs_n, mask=n_mask, other=0.0)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * stride_sk + offs_n, mask=n_mask, other=0)
-                zero = z.to(tl.float32)[None, :] + MAGIC
-            else:
-                zero = MAGIC + 8.0
             part = tl.zeros(acc.shape, dtype=tl.float32)
             for i in tl.static_range(8):
                 w = _plane(words, i, zero).to(tl.bfloat16)
                 part = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, part)
-            acc += part * scale.to(tl.float32)[None, :]
+            acc += part * scale
         else:
-            # a group is shorter than the step: scale each row of words by its own group
-            groups = rows // (GROUP // 8)
-            gs_off = groups[:, None] * stride_sk + offs_n[None, :]
-            g_mask = (groups < n_groups)[:, None] & n_mask[None, :]
-            scale = tl.load(s_ptr + gs_off, mask=g_mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + gs_off, mask=g_mask, other=0).to(tl.float32) + MAGIC
-            else:
-                zero = MAGIC + 8.0
             for i in tl.static_range(8):
-                w = (_plane(words, i, zero) * scale).to(tl.bfloat16)
-                acc = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, acc)
+                w = _plane(words, i, zero) * scale
+                x = tl.load(x_step + i, mask=x_mask, other=0.0)
+                if USE_DOT:
+                    acc = tl.dot(x, w.to(tl.bfloat16), acc)
+                else:
+                    acc3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
+        words, scale, zero = next_words, next_scale, next_zero
+    if not USE_DOT:
+        acc += tl.sum(acc3, axis=1)
     return acc
 
 
@@ -111,7 +138,7 @@ def _w4a16_gemm_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -124,7 +151,7 @@ def _w4a16_gemm_kernel(
     acc = _w4a16_accumulate(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr + offs_m[:, None] * stride_xm,
         m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, stride_qk, stride_sk,
-        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K,
+        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K, USE_DOT,
     )  # fmt: skip
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
@@ -158,15 +185,16 @@ def _w4a16_dequant_kernel(
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One way to run the GEMM: ``path`` is ``"triton"`` or ``"dequant_cublas"``."""
+    """One way to run the GEMM. ``path``: ``"fma"`` (fp32 FMAs, M <= 4), ``"dot"`` (tensor
+    cores) or ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
-    path: str = "triton"
+    path: str = "dot"
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 _TUNED: dict[tuple, object] = {}
@@ -177,25 +205,27 @@ def _m_bucket(m: int) -> int:
 
 
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
-    """Tiles worth timing for this shape: weight-streaming tiles for small M, tensor-core tiles
-    and the dequantize + cuBLAS fall-back for large M."""
-    bm = max(16, min(_m_bucket(m), 64))
+    """Tiles worth timing for this shape: FMA weight streaming for M <= 4, tensor-core tiles up
+    to M = 64, larger tensor-core tiles and the dequantize + cuBLAS fall-back beyond."""
     out: list[GemmConfig] = []
     if m <= 64:
-        for bn in (32, 64, 128):
+        path, bm = ("fma", _m_bucket(m)) if m <= 4 else ("dot", max(16, _m_bucket(m)))
+        for bn in (32, 64, 128, 256):
+            warps = 8 if bn * bm >= 4096 else 4
+            if path == "fma" and bn * bm * 16 > 4096 * warps:  # [BM, 16, BN] fp32 accumulator
+                continue
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-            for split in (1, 2, 4, 8):
-                # about 2-8 waves of programs over 132 SMs; more splits only add atomics
-                if tiles * split < 132 or (split > 1 and tiles * split > 1100):
-                    continue
-                for warps, stages in ((4, 4), (4, 6)):
-                    out.append(GemmConfig("triton", bm, bn, 128, split, warps, stages))
-    else:
-        for bm_, bn, warps, stages in ((64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)):
-            if bm_ <= max(bm, 64) * 2:
-                out.append(GemmConfig("triton", bm_, bn, 128, 1, warps, stages))
-        out.append(GemmConfig("dequant_cublas"))
-    return out or [GemmConfig("triton", bm, 32, 128, 1, 4, 4)]
+            # one to about eight waves of programs over the SMs; more splits only add atomics
+            splits = [s for s in (1, 2, 4, 8) if 132 <= tiles * s and (s == 1 or tiles * s <= 1100)]
+            out += [GemmConfig(path, bm, bn, 128, s, warps) for s in splits[:2]]
+        return out or [GemmConfig(path, bm, 32, 128, 1, 4)]
+    out = [GemmConfig("dot", bm, bn, 128, 1, 8, 3) for bm, bn in ((64, 128), (128, 128))]
+    return [*out, GemmConfig("dequant_cublas")]
+
+
+def _interpreter_config(m: int) -> GemmConfig:
+    """A small tile of the path the GPU would take at this M (nothing is timed on CPU)."""
+    return GemmConfig("fma", _m_bucket(m), 32) if m <= 4 else GemmConfig(block_n=32)
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -239,7 +269,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_DOT=cfg.path == "dot", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 
@@ -274,7 +304,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                torch.cuda.get_device_name(x.device))  # fmt: skip
         config = (
-            GemmConfig(block_n=32)
+            _interpreter_config(m)
             if interpreted()
             else tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
         )
