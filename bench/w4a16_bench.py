@@ -315,13 +315,12 @@ def main() -> None:
     moe_shapes = dict(list(MOE_SHAPES.items())[:1]) if args.quick else MOE_SHAPES
     t0 = time.time()
     results = {}
-    if args.only in (None, "gemm"):
-        results["gemm"] = bench_gemm(m_values, gemm_shapes)
-    if args.only in (None, "moe"):
-        results["moe"] = bench_moe(tokens, moe_shapes, kernel)
-    for part, rows in results.items():
-        doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": rows}
-        (args.out / f"w4a16_{part}.json").write_text(json.dumps(doc, indent=1))
+    for part, run in (("gemm", lambda: bench_gemm(m_values, gemm_shapes)),
+                      ("moe", lambda: bench_moe(tokens, moe_shapes, kernel))):  # fmt: skip
+        if args.only in (None, part):
+            results[part] = run()
+            doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": results[part]}
+            (args.out / f"w4a16_{part}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):
         print(f"{r['shape']:32s} M={r['M']:5d}  x{r['x_vs_bf16']:5.2f} vs bf16  "
