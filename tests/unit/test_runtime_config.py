@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tessera.runtime.config import (
     ENV_CONFIG,
@@ -133,3 +135,11 @@ def test_router_config_needs_its_workers_once(workers, message):
     data = {"deployment": "kimi-k2", "namespace": "llm", "mode": "disaggregated", **workers}
     with pytest.raises(ConfigError, match=message):
         RouterConfig.from_dict(data)
+
+
+def test_the_example_in_the_docs_is_a_valid_config():
+    docs = (Path(__file__).resolve().parents[2] / "docs/runtime.md").read_text()
+    example = docs.split("```json\n", 1)[1].split("```", 1)[0]
+    config = RuntimeConfig.from_text(example, source="docs/runtime.md")
+    assert (config.phase, config.weights.dtype, config.kv_cache.dtype) == (
+        "decode", "int4", "fp8_e4m3")
