@@ -9,16 +9,15 @@ Two kinds of metric, from two kinds of process:
   there, and `TesseraSamples` re-exports the `tessera_*` families on our port. SGLang's own
   /metrics (with --enable-metrics) reads the same directory, so they show up there as well.
 
-To add counters that run inside the engine, add them to `IntegrityMetrics` (or a sibling
-class) with names starting `tessera_`, and create it once per process where the check runs.
+Engine-side counters (`tessera.runtime.integrity.metrics.IntegrityMetrics`, and any later
+ones) need only a name starting `tessera_`, created once in the process that counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Enum, Gauge, Info
+from prometheus_client import CollectorRegistry, Enum, Gauge, Info
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -83,25 +82,3 @@ class TesseraSamples(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return (m for m in self._all.collect() if m.name.startswith(PREFIX))
-
-
-@dataclass(frozen=True)
-class IntegrityMetrics:
-    """Counters of the KV page-tag check, created in the process that runs it.
-
-    In the engine, the process registry is in multiprocess mode (PROMETHEUS_MULTIPROC_DIR
-    set by tessera-runtime), so these are summed across scheduler ranks on our port.
-    """
-
-    checks: Counter
-    mismatched_requests: Counter
-
-    @classmethod
-    def create(cls, registry: CollectorRegistry = REGISTRY) -> IntegrityMetrics:
-        return cls(
-            checks=Counter("tessera_kv_integrity_checks", "Batched page-tag checks run",
-                           registry=registry),
-            mismatched_requests=Counter(
-                "tessera_kv_integrity_aborted_requests",
-                "Requests aborted because a KV page changed under them", registry=registry),
-        )

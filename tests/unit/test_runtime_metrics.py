@@ -73,10 +73,10 @@ def test_failed_preflight_names_its_class():
 ENGINE_PROCESS = """
 import sys
 from prometheus_client import Counter
-from tessera.runtime.metrics import IntegrityMetrics
-m = IntegrityMetrics.create()
-m.checks.inc(int(sys.argv[1]))
-m.mismatched_requests.inc(int(sys.argv[2]))
+from tessera.runtime.integrity.metrics import IntegrityMetrics
+m = IntegrityMetrics()
+m.checked(int(sys.argv[1]))
+m.mismatched(requests=int(sys.argv[2]), pages=2 * int(sys.argv[2]))
 Counter("sglang_engine_requests", "an engine metric that is not ours").inc(5)
 """
 
@@ -99,5 +99,6 @@ def test_engine_counters_are_summed_across_processes_and_served(tmp_path):
         thread.join(timeout=10)
     assert value(out, "tessera_kv_integrity_checks_total") == 7
     assert value(out, "tessera_kv_integrity_aborted_requests_total") == 1
+    assert value(out, "tessera_kv_integrity_mismatched_pages_total") == 2
     assert "sglang_engine_requests" not in out
     assert "tessera_runtime_info{" in out
