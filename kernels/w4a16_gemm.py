@@ -217,7 +217,10 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
             # one to about eight waves of programs over the SMs; more splits only add atomics
             splits = [s for s in (1, 2, 4, 8) if 132 <= tiles * s and (s == 1 or tiles * s <= 1100)]
-            out += [GemmConfig(path, bm, bn, 128, s, warps) for s in splits[:2]]
+            stages = (2, 4) if path == "dot" else (2,)  # Triton's own pipelining of the dot loop
+            out += [
+                GemmConfig(path, bm, bn, 128, s, warps, st) for s in splits[:2] for st in stages
+            ]
         return out or [GemmConfig(path, bm, 32, 128, 1, 4)]
     out = [GemmConfig("dot", bm, bn, 128, 1, 8, 3) for bm, bn in ((64, 128), (128, 128))]
     return [*out, GemmConfig("dequant_cublas")]
@@ -274,12 +277,44 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 
 
+def _graph_time(fn: Callable[[], object], calls: int = 8, replays: int = 5) -> float:
+    """Median time of ``fn`` from CUDA-graph replays. Eager timing of these short calls would
+    measure Python launch overhead, not the GPU (seen on the H200: tile choices became noise)."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
-    """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key."""
+    """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key
+    (candidates that fail to compile, e.g. out of shared memory, are skipped)."""
     if key not in _TUNED:
-        times = {
-            c: triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in candidates
-        }
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"no tuned config for {key} while a CUDA graph is being captured: run this "
+                "shape once before capturing (or pass a config)"
+            )
+        times = {}
+        for c in candidates:
+            try:
+                times[c] = _graph_time(lambda c=c: run(c))
+            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+                continue
+        if not times:
+            raise RuntimeError(f"no candidate config compiled for {key}: {candidates}")
         _TUNED[key] = min(times, key=times.__getitem__)
     return _TUNED[key]
 

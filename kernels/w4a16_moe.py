@@ -188,7 +188,7 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
         return [MoeConfig("dot", 64, bn, 128, 8) for bn in (64, 128)]
     return [
         *(MoeConfig("fma", bm, 64, 128, 4) for bm in (1, 2, 4)),
-        *(MoeConfig("dot", 16, bn, 128, 4) for bn in (64, 128)),
+        *(MoeConfig("dot", 16, bn, 128, 4, st) for bn in (64, 128) for st in (2, 4)),
     ]
 
 
