@@ -179,6 +179,8 @@ def apiserver_argv(apiserver: Path, layout: Layout, pki: certs.Pki, etcd_port: i
     return [
         str(apiserver), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
         "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+        # The `kubernetes` service's endpoints may not be a loopback address: publish none.
+        "--endpoint-reconciler-type=none",
         f"--cert-dir={layout.pki}",
         f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
         f"--client-ca-file={pki.ca_cert}", "--authorization-mode=Node,RBAC",
