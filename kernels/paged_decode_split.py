@@ -68,11 +68,33 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _dot(a, b, WIDEN: tl.constexpr):
-    """``a @ b`` in fp32; WIDEN upcasts first (the Triton interpreter gets 16-bit dots wrong)."""
-    if WIDEN:
+def _dot(a, b, INTERPRETED: tl.constexpr):
+    """``a @ b`` in fp32; the Triton interpreter gets 16-bit dots wrong, so it widens first."""
+    if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _widen_fp8(x, INTERPRETED: tl.constexpr):
+    """e4m3 -> fp16 in registers, two values per instruction. As inline assembly Triton cannot
+    move the conversion after the tile's trip through shared memory, where 8-bit operands that
+    need a transpose are read one byte at a time (seen in the PTX: 128 ld.shared.b8 a tile)."""
+    if INTERPRETED:
+        return x.to(tl.float16)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -114,7 +136,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     V_FROM_K: tl.constexpr,
-    WIDEN_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -159,15 +181,19 @@ def _split_kernel(
             k_base + slot[:, None] * stride_k_slot + offs_d[None, :],
             mask=mask_n[:, None],
             other=0.0,
-        ).to(compute_dtype)
-        s = _dot(q, tl.trans(k), WIDEN_DOT)
+        )
+        if FP8 and V_FROM_K:
+            k = _widen_fp8(k, INTERPRETED)  # it is the V operand too
+        else:
+            k = k.to(compute_dtype)
+        s = _dot(q, tl.trans(k), INTERPRETED)
         if D_ROPE > 0:
             k_rope = tl.load(
                 k_base + slot[:, None] * stride_k_slot + offs_r[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
             ).to(compute_dtype)
-            s += _dot(q_rope, tl.trans(k_rope), WIDEN_DOT)
+            s += _dot(q_rope, tl.trans(k_rope), INTERPRETED)
         if FP8:
             k_scale = tl.load(
                 K_SCALE + slot * stride_ks_slot + kvh * stride_ks_head, mask=mask_n, other=0.0
@@ -186,7 +212,11 @@ def _split_kernel(
                 v_base + slot[:, None] * stride_v_slot + offs_dv[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            ).to(compute_dtype)
+            )
+            if FP8:
+                v = _widen_fp8(v, INTERPRETED)
+            else:
+                v = v.to(compute_dtype)
         if FP8:
             if V_FROM_K:
                 v_scale = k_scale
@@ -197,9 +227,9 @@ def _split_kernel(
             # Scale p by v_scale relative to the tile's largest, so fp16 p keeps its precision.
             v_top = tl.max(v_scale, axis=0)
             pv = (p * (v_scale / v_top)[None, :]).to(compute_dtype)
-            acc = acc * alpha[:, None] + _dot(pv, v, WIDEN_DOT) * v_top
+            acc = acc * alpha[:, None] + _dot(pv, v, INTERPRETED) * v_top
         else:
-            acc = acc * alpha[:, None] + _dot(p.to(compute_dtype), v, WIDEN_DOT)
+            acc = acc * alpha[:, None] + _dot(p.to(compute_dtype), v, INTERPRETED)
         m = m_new
 
     empty = l == 0.0  # a split past the request's end
@@ -330,7 +360,7 @@ def paged_decode(
         BLOCK_N=cfg.block_n,
         FP8=scales is not None,
         V_FROM_K=v_from_k,
-        WIDEN_DOT=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
