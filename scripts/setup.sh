@@ -8,10 +8,12 @@ PIP=("$PYTHON" -m pip install --disable-pip-version-check --quiet)
 
 echo "== python packages: pip install -e '.[test]'"
 "${PIP[@]}" -e '.[test]'
+# SGLang goes in without its GPU-only dependencies; on later runs pip's resolver lists those as
+# "not installed" conflicts after the line above. That is expected and harmless here.
 if [[ -f scripts/sglang-no-deps.txt ]]; then
   echo "== python packages: SGLang without its GPU dependencies (scripts/sglang-no-deps.txt)"
   "${PIP[@]}" --no-deps -r scripts/sglang-no-deps.txt
 fi
 
-echo "== control-plane binaries (first build: tens of minutes; then cached)"
+echo "== control-plane binaries (cold build: tens of minutes; then cached)"
 "$PYTHON" -m tessera dev-cluster build
