@@ -84,20 +84,16 @@ def _load_step(
 def _w4a16_accumulate(
     acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
     K, stride_qk, stride_sk, step_begin, step_end,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """acc[BM, BN] += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
     ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element.
 
-    The next step's words and scales are loaded before this step's maths, so memory latency
-    overlaps the decode. ``USE_DOT``: tensor-core dots (any M); otherwise fp32 FMAs into a
-    ``[BM, R, BN]`` accumulator reduced once at the end (M <= 4: no dot-operand shuffles).
+    The next step's words and scales are loaded before this step is decoded, so memory latency
+    overlaps the decode.
     """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
-    scale_after_dot: tl.constexpr = USE_DOT and GROUP % BLOCK_K == 0
-    if not USE_DOT:
-        acc3 = tl.zeros((acc.shape[0], R, acc.shape[1]), dtype=tl.float32)
     row_end = tl.minimum(K // 8, step_end * R)  # this K range's last word row, exclusive
     words, scale, zero = _load_step(
         qw_ptr, s_ptr, z_ptr, step_begin, row_end, offs_n, n_mask, K,
@@ -110,7 +106,7 @@ def _w4a16_accumulate(
         )  # fmt: skip
         x_step = x_rows + (step * BLOCK_K + offs_r * 8)[None, :]
         x_mask = m_mask[:, None] & ((step * BLOCK_K + offs_r * 8) < K)[None, :]
-        if scale_after_dot:
+        if GROUP % BLOCK_K == 0:
             # one group spans the step: scale the [BM, BN] partial sum, not every weight
             part = tl.zeros(acc.shape, dtype=tl.float32)
             for i in tl.static_range(8):
@@ -119,15 +115,9 @@ def _w4a16_accumulate(
             acc += part * scale
         else:
             for i in tl.static_range(8):
-                w = _plane(words, i, zero) * scale
-                x = tl.load(x_step + i, mask=x_mask, other=0.0)
-                if USE_DOT:
-                    acc = tl.dot(x, w.to(tl.bfloat16), acc)
-                else:
-                    acc3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
+                w = (_plane(words, i, zero) * scale).to(tl.bfloat16)
+                acc = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, acc)
         words, scale, zero = next_words, next_scale, next_zero
-    if not USE_DOT:
-        acc += tl.sum(acc3, axis=1)
     return acc
 
 
@@ -138,7 +128,7 @@ def _w4a16_gemm_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -151,7 +141,7 @@ def _w4a16_gemm_kernel(
     acc = _w4a16_accumulate(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr + offs_m[:, None] * stride_xm,
         m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, stride_qk, stride_sk,
-        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K, USE_DOT,
+        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K,
     )  # fmt: skip
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
@@ -185,10 +175,10 @@ def _w4a16_dequant_kernel(
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One way to run the GEMM. ``path``: ``"fma"`` (fp32 FMAs, M <= 4), ``"dot"`` (tensor
-    cores) or ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
+    """One way to run the GEMM: ``path`` is ``"triton"`` (the kernel above) or
+    ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
-    path: str = "dot"
+    path: str = "triton"
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -205,30 +195,24 @@ def _m_bucket(m: int) -> int:
 
 
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
-    """Tiles worth timing for this shape: FMA weight streaming for M <= 4, tensor-core tiles up
-    to M = 64, larger tensor-core tiles and the dequantize + cuBLAS fall-back beyond."""
+    """Tiles worth timing for this shape: weight-streaming tiles up to M = 64, larger tiles and
+    the dequantize + cuBLAS fall-back beyond."""
+    if m > 64:
+        out = [GemmConfig("triton", bm, bn, 128, 1, 8, 3) for bm, bn in ((64, 128), (128, 128))]
+        return [*out, GemmConfig("dequant_cublas")]
+    bm = max(16, _m_bucket(m))
     out: list[GemmConfig] = []
-    if m <= 64:
-        path, bm = ("fma", _m_bucket(m)) if m <= 4 else ("dot", max(16, _m_bucket(m)))
-        for bn in (32, 64, 128, 256):
-            warps = 8 if bn * bm >= 4096 else 4
-            if path == "fma" and bn * bm * 16 > 4096 * warps:  # [BM, 16, BN] fp32 accumulator
-                continue
-            tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-            # one to about eight waves of programs over the SMs; more splits only add atomics
-            splits = [s for s in (1, 2, 4, 8) if 132 <= tiles * s and (s == 1 or tiles * s <= 1100)]
-            stages = (2, 4) if path == "dot" else (2,)  # Triton's own pipelining of the dot loop
-            out += [
-                GemmConfig(path, bm, bn, 128, s, warps, st) for s in splits[:2] for st in stages
-            ]
-        return out or [GemmConfig(path, bm, 32, 128, 1, 4)]
-    out = [GemmConfig("dot", bm, bn, 128, 1, 8, 3) for bm, bn in ((64, 128), (128, 128))]
-    return [*out, GemmConfig("dequant_cublas")]
-
-
-def _interpreter_config(m: int) -> GemmConfig:
-    """A small tile of the path the GPU would take at this M (nothing is timed on CPU)."""
-    return GemmConfig("fma", _m_bucket(m), 32) if m <= 4 else GemmConfig(block_n=32)
+    for bn in (32, 64, 128):
+        warps = 8 if bn * bm >= 4096 else 4
+        tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        # one to about eight waves of programs over the SMs; more splits only add atomics
+        splits = [s for s in (1, 2, 4, 8) if 132 <= tiles * s and (s == 1 or tiles * s <= 1100)]
+        out += [
+            GemmConfig("triton", bm, bn, 128, s, warps, stages)
+            for s in splits[:2]
+            for stages in (2, 4)  # Triton's own pipelining on top of the prefetch
+        ]
+    return out or [GemmConfig("triton", bm, 32, 128, 1, 4)]
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -272,7 +256,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        USE_DOT=cfg.path == "dot", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 
@@ -339,7 +323,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                torch.cuda.get_device_name(x.device))  # fmt: skip
         config = (
-            _interpreter_config(m)
+            GemmConfig(block_n=32)
             if interpreted()
             else tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
         )

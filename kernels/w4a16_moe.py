@@ -30,13 +30,11 @@ __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", 
 @triton.jit
 def _bf16_accumulate(
     acc, x_rows, m_mask, w_ptr, offs_n, n_mask, K, stride_wk, step_begin, step_end,
-    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The bf16 twin of ``_w4a16_accumulate``: same K steps, same eight strided products."""
+    """The bf16 twin of ``_w4a16_accumulate``: same K steps, same eight strided dots."""
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
-    if not USE_DOT:
-        acc3 = tl.zeros((acc.shape[0], R, acc.shape[1]), dtype=tl.float32)
     for step in range(step_begin, step_end):
         k_rows = step * BLOCK_K + offs_r * 8
         x_step = x_rows + k_rows[None, :]
@@ -47,12 +45,7 @@ def _bf16_accumulate(
                 mask=k_mask[:, None] & n_mask[None, :], other=0.0,
             )  # fmt: skip
             x = tl.load(x_step + i, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if USE_DOT:
-                acc = tl.dot(x, w, acc)
-            else:
-                acc3 += x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
-    if not USE_DOT:
-        acc += tl.sum(acc3, axis=1)
+            acc = tl.dot(x, w, acc)
     return acc
 
 
@@ -62,7 +55,7 @@ def _moe_gemm_kernel(
     N, K, num_pairs, rows_per_x,
     stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile."""
     pid = tl.program_id(0)
@@ -82,12 +75,12 @@ def _moe_gemm_kernel(
         acc = _w4a16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
             z_ptr + expert * stride_se, offs_n, n_mask, K, stride_wk, stride_sk, 0, steps,
-            GROUP, HAS_ZEROS, BLOCK_K, USE_DOT,
+            GROUP, HAS_ZEROS, BLOCK_K,
         )  # fmt: skip
     else:
         acc = _bf16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
-            0, steps, BLOCK_K, USE_DOT,
+            0, steps, BLOCK_K,
         )  # fmt: skip
     if MUL_ROUTING:
         acc *= tl.load(routing_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
@@ -97,9 +90,6 @@ def _moe_gemm_kernel(
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """``path``: ``"fma"`` (fp32 FMAs, blocks of a few rows) or ``"dot"`` (tensor cores)."""
-
-    path: str = "dot"
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -176,20 +166,16 @@ def moe_gemm(
         x.stride(0), swe, swk, sse, ssk, out.stride(0),
         INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.path == "dot", num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
 
 def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
-    """Decode sizes (about one pair per expert): FMA blocks of 1-4 rows or tensor-core blocks of
-    16; larger batches: tensor-core blocks of 64."""
+    """Blocks of 16 rows at decode sizes (about one pair per expert), of 64 beyond."""
     if num_pairs > 4 * num_experts:
-        return [MoeConfig("dot", 64, bn, 128, 8) for bn in (64, 128)]
-    return [
-        *(MoeConfig("fma", bm, 64, 128, 4) for bm in (1, 2, 4)),
-        *(MoeConfig("dot", 16, bn, 128, 4, st) for bn in (64, 128) for st in (2, 4)),
-    ]
+        return [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
+    return [MoeConfig(16, bn, 128, 4, stages) for bn in (32, 64, 128) for stages in (2, 4)]
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
@@ -234,7 +220,7 @@ def fused_moe(
 
     if configs is None:
         if interpreted():
-            configs = (MoeConfig("fma", 4, 32), MoeConfig(block_n=32))
+            configs = (MoeConfig(block_n=32), MoeConfig(block_n=32))
         else:
             configs = _tune(x, w13, w2, num_pairs, num_experts, run)
     return run(configs)

@@ -84,25 +84,22 @@ def make_x(m, k, seed):
     return torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16)
 
 
-# (path, M, N, K, group, symmetric, split_k): odd M and N, K not a multiple of the 128 step,
-# both scale paths (group == step, group < step), zeros, split-K, FMA and tensor-core paths.
+# (M, N, K, group, symmetric, split_k): odd M and N, K not a multiple of the 128 step,
+# both scale paths (group == step, group < step), zeros, split-K.
 GEMM_CASES = [
-    ("fma", 1, 40, 256, 128, True, 1),
-    ("fma", 3, 33, 384, 32, False, 2),
-    ("dot", 1, 40, 256, 128, True, 1),
-    ("dot", 3, 33, 384, 32, False, 1),
-    ("dot", 5, 72, 384, 64, True, 3),
-    ("dot", 17, 64, 160, 32, True, 2),
-    ("dot", 2, 48, 256, 128, False, 2),
+    (1, 40, 256, 128, True, 1),
+    (3, 33, 384, 32, False, 1),
+    (5, 72, 384, 64, True, 3),
+    (17, 64, 160, 32, True, 2),
+    (2, 48, 256, 128, False, 2),
 ]
 
 
-@pytest.mark.parametrize("path,m,n,k,group,symmetric,split_k", GEMM_CASES)
-def test_gemm_matches_reference(path, m, n, k, group, symmetric, split_k):
+@pytest.mark.parametrize("m,n,k,group,symmetric,split_k", GEMM_CASES)
+def test_gemm_matches_reference(m, n, k, group, symmetric, split_k):
     w = make_weight((n, k), group, symmetric, seed=n + k)
     x = make_x(m, k, seed=m)
-    block_m = 4 if path == "fma" else 16
-    out = w4a16_matmul(x, w, GemmConfig(path, block_m, block_n=32, split_k=split_k))
+    out = w4a16_matmul(x, w, GemmConfig(block_n=32, split_k=split_k))
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
@@ -168,15 +165,15 @@ def test_fused_moe_matches_reference(experts, hidden, inter, tokens, top_k, g13,
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
     ids, weights = ids.to(DEVICE), weights.to(DEVICE)
-    fma, dot = MoeConfig("fma", 4, 32), MoeConfig("dot", 16, 32)
-    out = fused_moe(x, w13, w2, weights, ids, configs=(fma, dot))
+    small, wide = MoeConfig(block_n=32), MoeConfig(block_n=64)
+    out = fused_moe(x, w13, w2, weights, ids, configs=(small, wide))
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
     assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
 
     # the bf16-expert twin of the same kernel, on the same (dequantized) experts
     b13 = dequantize(w13, torch.bfloat16).transpose(-1, -2).contiguous()
     b2 = dequantize(w2, torch.bfloat16).transpose(-1, -2).contiguous()
-    out16 = fused_moe(x, b13, b2, weights, ids, configs=(dot, fma))
+    out16 = fused_moe(x, b13, b2, weights, ids, configs=(wide, small))
     assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
 
 
