@@ -147,7 +147,8 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
         "livenessProbe": _http_probe("/health", 30, 5),
         "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
                          {"name": "shm", "mountPath": "/dev/shm"},
-                         *([{"name": "models", "mountPath": c.MODELS_DIR, "readOnly": uri_is_pvc}]
+                         *([{"name": "models", "mountPath": c.MODELS_DIR,
+                             **({"readOnly": True} if uri_is_pvc else {})}]
                            if models_volume else [])],
     }
     pod_spec = {
@@ -191,8 +192,7 @@ def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(md, child_name(name, phase), phase),
-        "spec": {"clusterIP": "None", "selector": selector_labels(name, phase), "ports": ports,
-                 "publishNotReadyAddresses": False},
+        "spec": {"clusterIP": "None", "selector": selector_labels(name, phase), "ports": ports},
     }
 
 

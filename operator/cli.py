@@ -40,6 +40,8 @@ def run_operator(args: argparse.Namespace) -> int:
     handlers.RESYNC_SECONDS = args.resync_seconds
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # kopf logs every handler call at INFO: one line per watch event
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.leader_election:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         LeaderLease(Kube(new_api_client()), lease, namespace, identity).acquire()

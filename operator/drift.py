@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+# Kubernetes omits zero values (false, 0, "", empty lists and maps) from what it returns, so a
+# desired zero value matches an absent field.
+_ZERO = (False, 0, "", [], {})
+
 
 def contains(observed: Any, desired: Any) -> bool:
     """True when `observed` has every field of `desired` with the same value.
 
     Maps may have extra keys; lists must have the same length and match item by item (we own
-    every list we set, e.g. containers, env, ports).
+    every list we set, e.g. containers, env, ports). A zero value matches an absent field.
     """
     if isinstance(desired, dict):
         return isinstance(observed, dict) and all(
-            key in observed and contains(observed[key], value) for key, value in desired.items())
+            contains(observed[key], value) if key in observed else value in _ZERO
+            for key, value in desired.items())
     if isinstance(desired, list):
         return (isinstance(observed, list) and len(observed) == len(desired)
                 and all(contains(o, d) for o, d in zip(observed, desired, strict=True)))

@@ -35,6 +35,9 @@ class Workload:
     updated: int
     synced: bool  # the Deployment controller has seen the latest spec
     failure: str  # a Deployment condition's message when it reports a failure, else ""
+    # The Deployment says its newest ReplicaSet has become available (rollout done); after
+    # that, a replica short of ready is a loss, not a pod still starting.
+    settled: bool = True
 
     @property
     def complete(self) -> bool:
@@ -43,7 +46,8 @@ class Workload:
 
     @property
     def rolling(self) -> bool:
-        return not self.synced or self.updated < self.desired or self.current > self.desired
+        return (not self.synced or not self.settled or self.updated < self.desired
+                or self.current > self.desired)
 
 
 def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
@@ -60,6 +64,8 @@ def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
         updated=int(st.get("updatedReplicas", 0)),
         synced=st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
         failure="; ".join(failures),
+        settled=any(cond.get("type") == "Progressing" and cond.get("reason") ==
+                    "NewReplicaSetAvailable" for cond in st.get("conditions", [])),
     )
 
 

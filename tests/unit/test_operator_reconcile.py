@@ -30,7 +30,10 @@ def as_stored(obj: dict[str, Any], ready: bool = False) -> dict[str, Any]:
         out["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
         n = obj["spec"]["replicas"]
         out["status"] = {"observedGeneration": 1, "replicas": n,
-                         "readyReplicas": n if ready else 0, "updatedReplicas": n}
+                         "readyReplicas": n if ready else 0, "updatedReplicas": n,
+                         "conditions": [{"type": "Progressing", "status": "True",
+                                         "reason": "NewReplicaSetAvailable" if ready
+                                         else "ReplicaSetUpdated"}]}
     if obj["kind"] == "Service" and obj["spec"].get("clusterIP") != "None":
         out["spec"]["clusterIP"] = "10.0.0.12"
     return out

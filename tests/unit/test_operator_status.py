@@ -21,8 +21,8 @@ def by_type(conditions: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
 
 
 def w(desired: int, current: int, ready: int, updated: int, synced: bool = True,
-      failure: str = "") -> Workload:
-    return Workload(desired, current, ready, updated, synced, failure)
+      failure: str = "", settled: bool = True) -> Workload:
+    return Workload(desired, current, ready, updated, synced, failure, settled)
 
 
 DONE = w(2, 2, 2, 2)
@@ -42,6 +42,10 @@ DONE = w(2, 2, 2, 2)
     ({"prefill": DONE, "decode": w(2, 2, 2, 2, synced=False), "router": w(1, 1, 1, 1)},
      ("False", "ComponentsNotReady"), ("True", "RollingOut"), ("False", "AsExpected"),
      ["decode 2/2 ready"]),
+    # new pods created but not ready yet: still rolling out, not degraded
+    ({"prefill": DONE, "decode": w(2, 2, 0, 2, settled=False), "router": w(1, 1, 1, 1)},
+     ("False", "ComponentsNotReady"), ("True", "RollingOut"), ("False", "AsExpected"),
+     ["decode 0/2 ready"]),
     # a pod lost outside any rollout
     ({"prefill": DONE, "decode": DONE, "router": w(1, 1, 0, 1)},
      ("False", "ComponentsNotReady"), ("False", "RolloutComplete"),
@@ -50,7 +54,7 @@ DONE = w(2, 2, 2, 2)
       "router": w(1, 1, 1, 1)},
      ("False", "ComponentsNotReady"), ("False", "RolloutComplete"),
      ("True", "ReplicasUnavailable"), ["prefill 0/1 ready"]),
-], ids=["all-ready", "missing", "rolling", "unsynced", "lost-pod", "failing"])
+], ids=["all-ready", "missing", "rolling", "unsynced", "starting", "lost-pod", "failing"])
 def test_rollout_conditions(workloads: dict[str, Workload | None], ready: tuple[str, str],
                             progressing: tuple[str, str], degraded: tuple[str, str],
                             names: list[str]) -> None:
@@ -122,7 +126,7 @@ def test_observe_workload_reads_deployment_status() -> None:
                              "conditions": [{"type": "Progressing", "status": "False",
                                              "reason": "ProgressDeadlineExceeded",
                                              "message": "took too long"}]}}
-    assert observe_workload(deployment) == Workload(2, 3, 2, 1, True, "took too long")
+    assert observe_workload(deployment) == Workload(2, 3, 2, 1, True, "took too long", False)
     assert observe_workload(None) is None
 
 
@@ -135,6 +139,8 @@ def test_observe_workload_reads_deployment_status() -> None:
     ({"l": [{"x": 2}]}, {"l": [{"x": 1}]}, False),
     ({"m": {"k": "v", "z": "w"}}, {"m": {"k": "v"}}, True),
     ({"n": "1"}, {"n": 1}, False),
+    ({}, {"readOnly": False, "items": [], "n": 0}, True),  # the server omits zero values
+    ({}, {"readOnly": True}, False),
 ])
 def test_contains(observed: Any, desired: Any, expected: bool) -> None:
     assert contains(observed, desired) is expected
