@@ -36,6 +36,7 @@ STATE_FILE = "cluster.json"
 SERVICE_CIDR = "10.0.0.0/24"
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 10.0
+NODE_LEASE_S = 40
 # Leases are heartbeats (kwok renews one per node every few seconds): noise when counting writes.
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
@@ -211,6 +212,9 @@ def kwok_argv(binary: Path, layout: Layout) -> list[str]:
     return [
         str(binary), f"--kubeconfig={layout.kubeconfig}", "--manage-all-nodes=false",
         "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+        # Heartbeat through node Leases; without them the node lifecycle controller marks the
+        # nodes NotReady between kwok's (slower) status updates and evicts Ready from their pods.
+        f"--node-lease-duration-seconds={NODE_LEASE_S}",
         f"--config={layout.root / 'kwok.yaml'}",
     ]
 
@@ -308,6 +312,7 @@ class DevCluster:
     def _start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         layout, binaries = self.layout, self.binaries
+        nodes = node_manifests(self.pools)  # validates the pools before anything starts
         pki = certs.generate(layout.pki)
         layout.audit_policy.write_text(yaml.safe_dump(AUDIT_POLICY))
         # kwok reads ~/.kwok/kwok.yaml unless told otherwise: an empty config keeps it isolated.
@@ -338,7 +343,7 @@ class DevCluster:
             self._spawn(name, argv)
         self._write_state()
         self.kubectl("apply", "-f", "-", input={"apiVersion": "v1", "kind": "List",
-                                                "items": node_manifests(self.pools)})
+                                                "items": nodes})
         wait_s = max(1, int(deadline - time.monotonic()))
         result = self.kubectl("wait", "--for=condition=Ready", "node", "--all",
                               f"--timeout={wait_s}s", check=False, timeout=wait_s + 10)

@@ -51,6 +51,18 @@ def test_gpu_nodes_of_both_pools_are_ready(kubectl: Callable[..., Any]) -> None:
         assert ready == "True", node["metadata"]["name"]
 
 
+def test_every_node_heartbeats_through_a_lease(kubectl: Callable[..., Any]) -> None:
+    # Without leases the node lifecycle controller marks nodes NotReady between status updates.
+    nodes = kubectl("get", "nodes", "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
+
+    def leases() -> dict[str, int]:
+        items = json.loads(kubectl("get", "leases", "-n", "kube-node-lease", "-o", "json").stdout)
+        return {i["metadata"]["name"]: i["spec"]["leaseDurationSeconds"] for i in items["items"]}
+
+    found = _poll("a lease for every node", lambda: (got := leases()).keys() >= set(nodes) and got)
+    assert {found[n] for n in nodes} == {40}
+
+
 def test_deployment_with_8_gpus_becomes_ready_on_an_h200_node(
     kubectl: Callable[..., Any], namespace: str
 ) -> None:
