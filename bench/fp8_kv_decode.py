@@ -364,21 +364,25 @@ def main() -> None:
     sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
 
     rows = []
-    gqa_grid = [(64, 4096), (64, 16384), (8, 1024), (1, 256)] if args.quick else [
-        (b, c) for b in (1, 8, 32, 64, 128) for c in (256, 1024, 4096, 16384, 32768)
-        if b * c <= 64 * 32768]  # fmt: skip
-    for page_size in (16, 64) if not args.quick else (64,):
-        for batch, ctx in gqa_grid:
-            rows.append(bench_gqa(batch, ctx, 32, 8, 128, page_size, sglang, copy_bw))
-            print(_gqa_line(rows[-1]), flush=True)
+    if args.quick:
+        gqa_grid = [(64, 64, 4096), (64, 64, 16384), (64, 8, 1024), (64, 1, 256)]
+    else:
+        gqa_grid = [
+            (64, b, c)
+            for b in (1, 8, 32, 64, 128)
+            for c in (256, 1024, 4096, 16384, 32768)
+            if b * c <= 64 * 32768
+        ]
+        gqa_grid += [(16, b, c) for b in (8, 64) for c in (1024, 4096, 16384)]
+    for page_size, batch, ctx in gqa_grid:
+        rows.append(bench_gqa(batch, ctx, 32, 8, 128, page_size, sglang, copy_bw))
+        print(_gqa_line(rows[-1]), flush=True)
     for heads, kvh, dim in ((64, 8, 128), (16, 4, 64), (8, 2, 256)):
         rows.append(bench_gqa(64, 8192, heads, kvh, dim, 64, sglang, copy_bw))
         print(_gqa_line(rows[-1]), flush=True)
-    mla_grid = (
-        [(64, 8192, 16), (64, 4096, 64)]
-        if args.quick
-        else [(b, c, h) for h in (16, 64, 128) for b, c in ((64, 4096), (64, 16384), (8, 8192))]
-    )
+    mla_grid = [(64, 8192, 16), (64, 4096, 64)]
+    if not args.quick:
+        mla_grid = [(64, 4096, 16), (64, 16384, 16), (8, 8192, 16), (64, 4096, 64), (64, 4096, 128)]
     for batch, ctx, heads in mla_grid:
         rows.append(bench_mla(batch, ctx, heads, 64, sglang, copy_bw))
         print(_mla_line(rows[-1]), flush=True)
