@@ -311,7 +311,9 @@ def test_specs_only_the_operator_can_judge(operator: Operator, kubectl: Any, nam
               and conditions(m).get(condition, {}).get("status") == "False" and m)
     assert conditions(md)[condition]["reason"] == reason
     assert conditions(md)["Ready"]["reason"] == "NotAdmitted"
-    # No children, and no retry storm: three resyncs later, not one more write.
+    # No children, and no retry storm: once the reconcile that wrote status has posted its
+    # events, three resyncs later there is not one more write.
+    time.sleep(1.0)
     since = audit_offset(cluster)
     time.sleep(3 * RESYNC_S + 0.5)
     assert children(kubectl, namespace, "judged") == []
