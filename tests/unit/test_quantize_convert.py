@@ -218,3 +218,18 @@ def test_size_ratio_matches_the_planners_prediction(
     before = sum(s["before"] for s in manifest["sizes"].values())
     after = sum(s["after"] for s in manifest["sizes"].values())
     assert after / before == pytest.approx(predicted, rel=0.01)
+
+
+def test_output_passes_the_runtimes_int4_preflight(converted) -> None:
+    from tessera.runtime.config import ModelConfig, RuntimeConfig, WeightsConfig
+    from tessera.runtime.preflight import check_checkpoint, read_checkpoint
+
+    arch, src, out, _ = converted
+    decode = RuntimeConfig(
+        deployment=arch, namespace="llm", phase="decode",
+        model=ModelConfig(name=arch, path=str(out)),
+        weights=WeightsConfig(dtype="int4", format="compressed-tensors", group_size=128))
+    assert check_checkpoint(decode, read_checkpoint(str(out))) is None
+    # and the FP8 source is told apart, so the check can fail
+    problem = check_checkpoint(decode, read_checkpoint(str(src)))
+    assert problem is not None and "holds fp8 weights" in problem.message
