@@ -45,6 +45,10 @@ LOCAL_IDENTITY = "local-demo-operator"
 TOKEN_DURATION = "24h"
 RESYNC_SECONDS = 10
 POLL_SECONDS = 2.0
+HEARTBEAT_SECONDS = 15.0  # repeat the progress lines this often even when nothing changed
+PVC_SCHEME = "pvc://"
+SIMULATED_VOLUME_PREFIX = "tessera-demo-"
+SIMULATED_VOLUME_SIZE = "2Ti"
 OPERATOR_START_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -202,9 +206,44 @@ def start_operator(cluster: DevCluster, paths: Paths) -> None:
 
 # -- the examples --
 
+def weight_claims(manifest: dict[str, Any]) -> list[str]:
+    """The PersistentVolumeClaims a ModelDeployment reads weights from (`pvc://CLAIM/path`)."""
+    spec = manifest.get("spec", {})
+    uris = [spec.get(phase, {}).get("weights", {}).get("uri", "")
+            for phase in ("prefill", "decode", "single")]
+    return sorted({uri.removeprefix(PVC_SCHEME).split("/", 1)[0]
+                   for uri in uris if uri.startswith(PVC_SCHEME)})
+
+
+def simulated_volume(claim: str, namespace: str) -> list[dict[str, Any]]:
+    """A claim and a PersistentVolume bound to it. The volume points at an empty host path:
+    kwok mounts nothing, so this only lets the scheduler place the pods that read the claim."""
+    name = f"{SIMULATED_VOLUME_PREFIX}{namespace}-{claim}"
+    common = {"accessModes": ["ReadOnlyMany"], "storageClassName": ""}
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume",
+         "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "tessera-demo"}},
+         "spec": {**common, "capacity": {"storage": SIMULATED_VOLUME_SIZE},
+                  "persistentVolumeReclaimPolicy": "Retain",
+                  "hostPath": {"path": f"/var/lib/tessera-demo/{claim}"},
+                  "claimRef": {"namespace": namespace, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": claim, "namespace": namespace},
+         "spec": {**common, "volumeName": name,
+                  "resources": {"requests": {"storage": SIMULATED_VOLUME_SIZE}}}},
+    ]
+
+
 def apply_examples(cluster: DevCluster, files: list[Path]) -> None:
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DEMO_NAMESPACE}}
     cluster.kubectl("apply", "-f", "-", input=namespace)
+    for f in files:
+        for claim in weight_claims(yaml.safe_load(f.read_text())):
+            objects = {"apiVersion": "v1", "kind": "List",
+                       "items": simulated_volume(claim, DEMO_NAMESPACE)}
+            cluster.kubectl("apply", "-f", "-", input=objects)
+            say(f"{f.relative_to(ROOT)} reads weights from the claim {claim!r}: applied it, "
+                "bound to a simulated volume (nothing is downloaded or mounted here)")
     args = [arg for f in files for arg in ("-f", str(f))]
     say(cluster.kubectl("apply", "-n", DEMO_NAMESPACE, *args).stdout.rstrip())
 
@@ -228,7 +267,7 @@ def progress_line(md: dict[str, Any]) -> str:
 
 
 def wait_ready(cluster: DevCluster, names: list[str], timeout: float) -> bool:
-    start, last = time.monotonic(), ""
+    start, last, shown = time.monotonic(), "", 0.0
     while True:
         items = json.loads(cluster.kubectl("get", "modeldeployments", "-n", DEMO_NAMESPACE,
                                            "-o", "json").stdout)["items"]
@@ -236,9 +275,9 @@ def wait_ready(cluster: DevCluster, names: list[str], timeout: float) -> bool:
         lines = [progress_line(found[n]) if n in found else f"{n:10} not found" for n in names]
         text = "\n".join(lines)
         elapsed = time.monotonic() - start
-        if text != last:
+        if text != last or elapsed - shown >= HEARTBEAT_SECONDS:
             say("\n".join(f"[{elapsed:5.1f} s] {line}" for line in lines))
-            last = text
+            last, shown = text, elapsed
         if all(n in found and _ready(found[n]).get("status") == "True" for n in names):
             return True
         if elapsed > timeout:
@@ -295,6 +334,9 @@ def up(args: argparse.Namespace) -> int:
     say("Clean up:         tessera demo down" + (
         f" --state-dir {args.state_dir}" if args.state_dir else ""))
     if not ok:
+        warnings = cluster.kubectl("get", "events", "-n", DEMO_NAMESPACE, "--field-selector",
+                                   "type=Warning", check=False).stdout.rstrip()
+        say(f"\nWarning events in {DEMO_NAMESPACE}:\n{warnings or '(none)'}")
         say(f"error: not every deployment was Ready after {args.timeout:.0f} s; "
             f"`kubectl describe md -n {DEMO_NAMESPACE}` and the operator log say why")
     return 0 if ok else 1
