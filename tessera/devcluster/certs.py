@@ -56,7 +56,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 def _issue(subject: x509.Name, key: ec.EllipticCurvePrivateKey, ca_name: x509.Name,
            ca_key: ec.EllipticCurvePrivateKey, *, is_ca: bool = False,
-           usage: ExtendedKeyUsageOID | None = None,
+           usage: x509.ObjectIdentifier | None = None,
            sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
     builder = (
