@@ -43,12 +43,14 @@ class DecodeConfig:
 
 def pick_config(head_dim: int, group: int, mla: bool) -> DecodeConfig:
     """Tile sizes for a head shape, from the sweep in bench/results/fp8_kv_tune.json (H200):
-    GQA tiles of 16 KB of K per step (128 tokens at d128) with 4 warps and 2 stages were best
-    for BF16 and FP8 alike; MLA keeps 32 tokens of 576 dims and 16 heads a program."""
+    GQA tiles of 16384 elements (128 tokens at d128) with 4 warps and 2 stages were best for
+    BF16 and FP8 alike; MLA keeps 32 tokens of 576 dims and 16 heads a program. At most 64
+    query heads a program keeps the fp32 accumulator in registers."""
     if mla:
         return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
-    block_h = max(16, triton.next_power_of_2(group))
-    return DecodeConfig(block_n=16384 // head_dim, block_h=block_h, num_warps=4, num_stages=2)
+    block_h = min(64, max(16, triton.next_power_of_2(group)))
+    block_n = min(256, 16384 // head_dim)
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
 
 
 def plan_splits(programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
