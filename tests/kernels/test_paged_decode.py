@@ -126,6 +126,20 @@ def test_mla_matches_reference(kv_dtype):
     run_mla(kv_dtype, [3, 41], 16, heads=16)
 
 
+def test_per_tensor_scales_read_through_a_stride_0_view():
+    table, num_pages = random_table([21, 3], 8, sglang_form=True)
+    q = torch.randn(2, 4, 64, device=DEVICE).bfloat16()
+    k, v = (torch.randn(num_pages, 8, 2, 64, device=DEVICE).bfloat16() * 3 for _ in range(2))
+    ks, vs = torch.tensor(0.02, device=DEVICE), torch.tensor(0.01, device=DEVICE)
+    k8, v8 = (torch.empty(k.shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2))
+    slots = torch.arange(num_pages * 8, device=DEVICE)
+    write_kv_fp8_ref(k.flatten(0, 1), k8, ks, slots)
+    write_kv_fp8_ref(v.flatten(0, 1), v8, vs, slots)
+    out = poisoned(2, 4, 64)
+    paged_decode_fp8(q, k8, v8, ks, vs, table, 0.125, out=out)
+    assert_close(out, paged_decode_fp8_ref(q, k8, v8, ks, vs, table, 0.125), REL_L2["fp8"])
+
+
 def test_splits_longer_than_the_request_and_empty_requests_give_zeros():
     # max_seq_len far above the real lengths makes most splits empty; request 1 has no tokens
     out, _ = run_gqa("bf16", [7, 0, 19], 4, 4, 2, 64, max_len=4096)
