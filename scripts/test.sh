@@ -12,7 +12,8 @@ command -v nvidia-smi >/dev/null 2>&1 || export TRITON_INTERPRET=1
 
 echo "== pytest $*"
 rc=0
-"$PYTHON" -m pytest "$@" || rc=$?
+# A hung test fails alone after 15 minutes instead of eating CI's whole budget.
+"$PYTHON" -m pytest --timeout=900 "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   # pytest's "no tests collected": fine for a selection that matched nothing, a broken suite
   # when the whole tree was asked for.
