@@ -328,7 +328,8 @@ def up(args: argparse.Namespace) -> int:
     show_results(cluster, files, names)
     elapsed = time.monotonic() - start
     step(f"{'done' if ok else 'NOT READY'} in {elapsed:.0f} s")
-    say(f'Use the cluster:  eval "$(tessera dev-cluster --state-dir {paths.cluster} env)"; '
+    where = f" --state-dir {paths.cluster}" if args.state_dir else ""
+    say(f'Use the cluster:  eval "$(tessera dev-cluster{where} env)"; '
         f"kubectl get md -n {DEMO_NAMESPACE}")
     say(f"Operator log:     {paths.log}")
     say("Clean up:         tessera demo down" + (
