@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tessera.runtime.quantize import fp8
 from tessera.runtime.quantize.shardio import TensorSpec, read_specs
 
@@ -22,13 +21,7 @@ class Checkpoint:
     config: dict[str, Any]
     shards: dict[str, list[TensorSpec]]  # shard file -> its tensors, in file order
     location: dict[str, str]  # tensor name -> shard file
-
-    @property
-    def is_fp8(self) -> bool:
-        return any(s.dtype == torch.float8_e4m3fn for specs in self.shards.values() for s in specs)
-
-    def spec(self, name: str) -> TensorSpec:
-        return next(s for s in self.shards[self.location[name]] if s.name == name)
+    specs: dict[str, TensorSpec]  # tensor name -> its spec
 
     def fingerprint(self) -> str:
         """Changes when the shard files, their tensors or their sizes change."""
@@ -60,7 +53,8 @@ def read_checkpoint(directory: Path) -> Checkpoint:
                          f"{missing[0]}: finish downloading the checkpoint")
     shards = {f: read_specs(directory / f) for f in files}
     location = {s.name: f for f, specs in shards.items() for s in specs}
-    return Checkpoint(directory, config, shards, location)
+    by_name = {s.name: s for specs in shards.values() for s in specs}
+    return Checkpoint(directory, config, shards, location, by_name)
 
 
 def _check_source_quantization(qc: dict[str, Any] | None) -> None:

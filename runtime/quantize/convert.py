@@ -1,9 +1,8 @@
 """The streaming converter: FP8/BF16 checkpoint -> INT4 W4A16 compressed-tensors checkpoint.
 
 Memory stays bounded by a few copies of the largest tensor, whatever the shard size: tensors
-are read one at a time (safetensors maps the file; nothing else of it is held), converted, and
-streamed into the output shard. Each finished shard is renamed into place and recorded with
-its sha256 in the manifest, so a restarted run skips it.
+are read one at a time, converted, and streamed into the output shard. Each finished shard is
+renamed into place and recorded with its sha256 in the manifest, so a restarted run skips it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
@@ -115,29 +115,36 @@ def _present(path: Path, nbytes: int) -> bool:
 
 def _convert_shard(ckpt: Checkpoint, plan: Plan, file: str, dst: Path, options: Options,
                    device: str, progress: Progress) -> str:
-    with ShardWriter(dst / file, plan.specs(file)) as writer:
+    with ShardWriter(dst / file, plan.specs(file)) as writer, _reader(ckpt, file) as read:
         for step in plan.shards[file]:
-            for name, tensor in _outputs(ckpt, step, options, device):
+            for name, tensor in _outputs(read, step, options, device):
                 writer.add(name, tensor)
             progress.advance(step.source_bytes, file)
         return writer.finish()
 
 
-def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-    # opened per tensor: the mapping of the file is dropped at once, so resident memory
-    # does not grow with the shard as its pages are touched
-    with safe_open(ckpt.directory / ckpt.location[name], framework="pt") as f:
-        return f.get_tensor(name)
+@contextmanager
+def _reader(ckpt: Checkpoint, file: str) -> Iterator[Callable[[str], torch.Tensor]]:
+    """Reads tensors of one source shard (and the odd scale stored in another shard)."""
+    with safe_open(ckpt.directory / file, framework="pt") as handle:
+
+        def get(name: str) -> torch.Tensor:
+            if ckpt.location[name] == file:
+                return handle.get_tensor(name)
+            with safe_open(ckpt.directory / ckpt.location[name], framework="pt") as other:
+                return other.get_tensor(name)
+
+        yield get
 
 
-def _outputs(ckpt: Checkpoint, step: Step, options: Options, device: str
+def _outputs(read: Callable[[str], torch.Tensor], step: Step, options: Options, device: str
              ) -> Iterator[tuple[str, torch.Tensor]]:
-    weight = _read(ckpt, step.source)
+    weight = read(step.source)
     if step.action is Action.COPY:
         yield step.source, weight
         return
     if step.scale is not None:
-        weight = fp8.dequantize(weight.to(device), _read(ckpt, step.scale).to(device))
+        weight = fp8.dequantize(weight.to(device), read(step.scale).to(device))
     if step.action is Action.DEQUANTIZE:
         yield step.source, weight.bfloat16()
         return

@@ -87,7 +87,7 @@ def make_plan(ckpt: Checkpoint, options: Options) -> Plan:
     for name in ckpt.location:
         if name in scales:
             continue
-        spec = ckpt.spec(name)
+        spec = ckpt.specs[name]
         if classify(name).ignore is not None and name.endswith(".weight") and len(spec.shape) == 2:
             selected[name] = is_selected(name, spec.shape, targets)
     if not any(selected.values()):
@@ -109,7 +109,7 @@ def _step(ckpt: Checkpoint, spec: TensorSpec, quantize: bool, options: Options) 
     if is_fp8 != (scale is not None):
         raise ValueError(f"{name} is {spec.dtype} but {'has' if scale else 'lacks'} a "
                          "weight_scale_inv: only FP8 weights with block scales are supported")
-    source_bytes = spec.nbytes + (ckpt.spec(scale).nbytes if scale else 0)
+    source_bytes = spec.nbytes + (ckpt.specs[scale].nbytes if scale else 0)
     tensor_class = classify(name).name
     if quantize:
         n, k = spec.shape

@@ -156,3 +156,32 @@ def test_cli_converts_verifies_and_reports(src: Path, tmp_path: Path,
     assert "sha256 differs" in capsys.readouterr().err
     assert main(["quantize", "convert", str(src), str(tmp_path / "x"), "--target", "norm"]) == 2
     assert "neither a quantizable tensor class" in capsys.readouterr().err
+
+
+def test_a_scale_stored_in_another_shard_is_found(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from tessera.runtime.quantize import fp8
+    from tessera.runtime.quantize.synthetic import FP8_SOURCE_CONFIG
+
+    src = tmp_path / "src"
+    src.mkdir()
+    prefix = "model.layers.1.mlp.experts.0"
+    gen = torch.Generator().manual_seed(1)
+    first, second = {}, {}
+    for proj, shape in (("gate_proj", (128, 256)), ("up_proj", (128, 256)),
+                        ("down_proj", (256, 128))):
+        weight, scale = fp8.quantize(torch.randn(shape, generator=gen) * 0.02)
+        first[f"{prefix}.{proj}.weight"] = weight
+        second[f"{prefix}.{proj}.weight_scale_inv"] = scale
+    save_file(first, src / "model-00001-of-00002.safetensors")
+    save_file(second, src / "model-00002-of-00002.safetensors")
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first} | {
+        n: "model-00002-of-00002.safetensors" for n in second}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps({"quantization_config": FP8_SOURCE_CONFIG}))
+
+    manifest = run(src, tmp_path / "out")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors"}
+    assert manifest["sizes"]["routed_experts"]["after"] == 3 * (128 * 256 // 2 + 128 * 256 // 64
+                                                                + 8)
