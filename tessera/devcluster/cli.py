@@ -61,6 +61,9 @@ def _up(args: argparse.Namespace, state_dir: Path) -> int:
     if existing is not None and existing.running():
         print(f"dev cluster already up at {existing.server} (state: {state_dir}); "
               "`tessera dev-cluster down` stops it")
+        if args.pool and existing.pools != pools:
+            print("note: it runs pools " + ", ".join(f"{p.name}={p.nodes}" for p in existing.pools)
+                  + "; `down` first to change them", file=sys.stderr)
         _print_env(existing)
         return 0
     if existing is not None:
