@@ -271,6 +271,10 @@ class DevCluster:
 
     def stop(self) -> None:
         """Stop every process in reverse start order, by pid, and remove the state directory."""
+        self._stop_processes()
+        shutil.rmtree(self.layout.root, ignore_errors=True)
+
+    def _stop_processes(self) -> None:
         errors = []
         for proc in reversed(self.processes):
             try:
@@ -279,7 +283,6 @@ class DevCluster:
                 errors.append(str(err))
         if errors:
             raise ClusterError("; ".join(errors))
-        shutil.rmtree(self.layout.root, ignore_errors=True)
 
     def __enter__(self) -> DevCluster:
         return self
@@ -294,7 +297,8 @@ class DevCluster:
                pools: tuple[NodePool, ...] = DEFAULT_POOLS, *, detached: bool = False,
                timeout: float = 90.0) -> DevCluster:
         """Start a fresh cluster in `state_dir` (which must not hold one) and wait until its
-        nodes are Ready. On failure everything started so far is stopped again."""
+        nodes are Ready. On failure everything started so far is stopped again; the logs stay
+        in `state_dir` for the error message to point at."""
         layout = Layout(state_dir)
         if layout.state_file.exists():
             raise ClusterError(f"{state_dir} already holds a cluster; stop it first")
@@ -305,7 +309,8 @@ class DevCluster:
         try:
             cluster._start(timeout)
         except BaseException:
-            cluster.stop()
+            cluster._stop_processes()
+            layout.state_file.unlink(missing_ok=True)
             raise
         return cluster
 

@@ -17,6 +17,7 @@ from tessera.cli import main
 from tessera.devcluster import build, certs
 from tessera.devcluster.build import Binaries, BuildError
 from tessera.devcluster.cluster import (
+    ClusterError,
     DevCluster,
     Layout,
     Process,
@@ -252,3 +253,18 @@ def test_cli_without_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_cli_rejects_a_malformed_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dev-cluster", "--state-dir", str(tmp_path), "up", "--pool", "decode"]) == 1
     assert "NAME=COUNT" in capsys.readouterr().err
+
+
+def test_a_component_that_dies_is_named_with_its_log_kept(tmp_path: Path) -> None:
+    binaries = Binaries.in_cache(tmp_path / "cache")
+    for path in vars(binaries).values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\necho 'flag provided but not defined: -bogus'\nexit 2\n")
+        path.chmod(0o755)
+    state = tmp_path / "state"
+    with pytest.raises(ClusterError) as err:
+        DevCluster.create(state, binaries, timeout=20)
+    log = state / "logs" / "etcd.log"
+    assert f"etcd exited with code 2 before it was ready; log: {log}" in str(err.value)
+    assert "flag provided but not defined" in log.read_text()
+    assert not (state / "cluster.json").exists()
