@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from tessera.operator import constants as c
+from tessera.operator.leader import LEASE_SECONDS, RENEW_SECONDS
 
 from tessera.demo import service_account_kubeconfig
 
@@ -105,38 +106,46 @@ def test_operator_pod_passes_restricted_pod_security(cluster: Any, namespace: st
 
 # -- the operator with the chart's ServiceAccount --
 
-class Installed:
-    """The chart installed in its own namespace, and the operator as a local process that
-    holds nothing but a token of the chart's ServiceAccount."""
+class LocalOperator:
+    """`tessera operator run` as a local process holding nothing but a token of the chart's
+    ServiceAccount, like one replica of the chart's Deployment."""
 
-    def __init__(self, cluster: Any, namespace: str, work: Path) -> None:
-        self.cluster, self.namespace, self.work = cluster, namespace, work
-        self.user = f"system:serviceaccount:{namespace}:{RELEASE}"
-        self.log = work / "operator.log"
-        self.audit_from = os.path.getsize(cluster.audit_log)
+    def __init__(self, installed: Installed, identity: str, *extra: str) -> None:
+        self.installed, self.identity, self.extra = installed, identity, extra
+        self.log = installed.work / f"{identity}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, *extra: str) -> None:
-        token = self.cluster.kubectl("create", "token", RELEASE, "-n", self.namespace,
+    def start(self, wait: bool = True) -> None:
+        inst = self.installed
+        token = inst.cluster.kubectl("create", "token", RELEASE, "-n", inst.namespace,
                                      "--duration=1h").stdout.strip()
-        kubeconfig = self.work / "kubeconfig.yaml"
+        kubeconfig = inst.work / f"{self.identity}.kubeconfig"
         kubeconfig.write_text(yaml.safe_dump(
-            service_account_kubeconfig(self.cluster, token, self.namespace, RELEASE)))
+            service_account_kubeconfig(inst.cluster, token, inst.namespace, RELEASE)))
         # Only this kubeconfig: no admin credentials reach the operator.
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": IDENTITY}
-        offset = self.log.stat().st_size if self.log.exists() else 0
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": self.identity}
+        self.offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
-            self.proc = proc = subprocess.Popen(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tessera", "operator", "run",
-                 f"--leader-election={self.namespace}/{RELEASE}",
-                 f"--resync-seconds={RESYNC_S}", *extra],
+                 f"--leader-election={inst.namespace}/{RELEASE}",
+                 f"--resync-seconds={RESYNC_S}", *self.extra],
                 env=env, stdout=out, stderr=subprocess.STDOUT)
-        poll("the operator to start", lambda: "operator started" in self.text(offset)
-             or proc.poll() is not None)
-        assert proc.poll() is None, self.text(offset)[-3000:]
+        if wait:
+            self.wait_started()
 
-    def text(self, offset: int = 0) -> str:
-        return self.log.read_bytes()[offset:].decode(errors="replace")
+    def started(self) -> bool:
+        return "operator started" in self.text()
+
+    def wait_started(self, timeout: float = 60.0) -> None:
+        proc = self.proc
+        assert proc is not None
+        poll(f"operator {self.identity} to start",
+             lambda: self.started() or proc.poll() is not None, timeout)
+        assert proc.poll() is None, self.text()[-3000:]
+
+    def text(self) -> str:
+        return self.log.read_bytes()[self.offset:].decode(errors="replace")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -149,6 +158,30 @@ class Installed:
             self.proc.wait()
 
 
+class Installed:
+    """The chart installed in its own namespace, and its first local operator."""
+
+    def __init__(self, cluster: Any, namespace: str, work: Path) -> None:
+        self.cluster, self.namespace, self.work = cluster, namespace, work
+        self.user = f"system:serviceaccount:{namespace}:{RELEASE}"
+        self.audit_from = os.path.getsize(cluster.audit_log)
+        self.operators: list[LocalOperator] = []
+
+    def operator(self, identity: str, *extra: str, wait: bool = True) -> LocalOperator:
+        op = LocalOperator(self, identity, *extra)
+        self.operators.append(op)
+        op.start(wait)
+        return op
+
+    def lease_holder(self) -> str:
+        return str(self.cluster.kubectl("get", "lease", RELEASE, "-n", self.namespace, "-o",
+                                        "jsonpath={.spec.holderIdentity}").stdout)
+
+    def stop(self) -> None:
+        for op in self.operators:
+            op.stop()
+
+
 @pytest.fixture(scope="module")
 def installed(cluster: Any) -> Iterator[Installed]:
     release_ns = f"tessera-chart-e2e-{os.getpid()}"
@@ -158,7 +191,7 @@ def installed(cluster: Any) -> Iterator[Installed]:
                     "crd/modeldeployments.tessera.dev")
     installed = Installed(cluster, release_ns, Path(tempfile.mkdtemp(prefix="tessera-chart-")))
     try:
-        installed.start()
+        installed.operator(IDENTITY)
         yield installed
     finally:
         installed.stop()
@@ -177,16 +210,15 @@ def _audit(installed: Installed) -> list[dict[str, Any]]:
 def test_operator_as_the_charts_service_account_reconciles_an_example(
         installed: Installed, namespace: str) -> None:
     cluster = installed.cluster
-    holder = cluster.kubectl("get", "lease", RELEASE, "-n", installed.namespace, "-o",
-                             "jsonpath={.spec.holderIdentity}").stdout
-    assert holder == IDENTITY  # leases: get + create/update in the release namespace suffice
+    # Leases: get and create/update in the release namespace were enough to lead.
+    assert installed.lease_holder() == IDENTITY
     cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     result = cluster.kubectl("wait", f"md/{name}", "-n", namespace, "--for=condition=Ready",
                              f"--timeout={READY_TIMEOUT_S:.0f}s", check=False)
     assert result.returncode == 0, (
         cluster.kubectl("get", "md", name, "-n", namespace, "-o", "yaml").stdout
-        + installed.log.read_text()[-4000:])
+        + installed.operators[0].text()[-4000:])
     status = json.loads(cluster.kubectl("get", "md", name, "-n", namespace, "-o",
                                         "json").stdout)["status"]
     assert status["endpoint"] == f"http://{name}-router.{namespace}.svc:8000/v1"
@@ -221,10 +253,24 @@ def test_operator_as_the_charts_service_account_reconciles_an_example(
     # kopf lists and watches namespaces only when told which to serve (`--namespace`, e.g.
     # through the chart's operator.extraArgs); run it that way once, with a glob.
     installed.stop()
-    installed.start(f"--namespace={namespace[:2]}*")
+    installed.operator(IDENTITY, f"--namespace={namespace[:2]}*")
     poll("the operator to list namespaces", lambda: any(
         e.get("objectRef", {}).get("resource") == "namespaces" for e in _audit(installed)),
         timeout=30)
     used.add(("", "namespaces"))
     unused = granted - used - {("coordination.k8s.io", "leases"), ("", "pods")}
     assert not unused, f"granted but never requested by the operator: {sorted(unused)}"
+
+
+def test_two_replicas_one_acts_and_the_other_takes_over(installed: Installed) -> None:
+    """The chart's two-replica Deployment, as two local processes with its ServiceAccount:
+    the second waits while the first holds the Lease, and takes over when the first stops."""
+    first = next(op for op in reversed(installed.operators) if op.proc and op.proc.poll() is None)
+    second = installed.operator("e2e-second-replica", wait=False)
+    poll("the second replica to wait for the Lease", lambda: "waiting for leadership"
+         in second.text(), timeout=30)
+    time.sleep(RENEW_SECONDS * 2)  # several of its attempts to take the Lease fail
+    assert not second.started() and installed.lease_holder() == first.identity
+    first.stop()
+    second.wait_started(timeout=LEASE_SECONDS + 3 * RENEW_SECONDS + 15)
+    assert installed.lease_holder() == "e2e-second-replica"
