@@ -34,15 +34,21 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps)
 ]
 
 
-def compile_cubin(block_m: int, block_n: int, group: int, warps: int) -> bytes:
+def compile_cubin(
+    block_m: int, block_n: int, group: int, warps: int, stages: int = 2, fast: bool = True
+) -> bytes:
     constexprs = {
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "BLOCK_K": 128, "SPLIT_K": 1,
+        "BLOCK_K": 128, "SPLIT_K": 1, "FAST": fast, "EVEN_K": True, "EVEN_N": True,
     }  # fmt: skip
     signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    src = ASTSource(_w4a16_gemm_kernel, signature, constexprs=constexprs)
+    # what the launcher's JIT specializes at real shapes: 16-byte aligned pointers, and sizes
+    # and strides divisible by 16 (M is not)
+    fn = _w4a16_gemm_kernel
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE if a != "M"}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2}
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
     return kernel.asm["cubin"]
 
@@ -76,11 +82,14 @@ def resources(cubin: Path) -> str:
 
 
 def main() -> None:
+    import sys
+
+    configs = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:]] or CONFIGS
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    for bm, bn, group, warps in CONFIGS:
+    for bm, bn, group, warps, *stages in configs:
         cubin = scratch / f"w4a16_m{bm}_n{bn}_g{group}_w{warps}.cubin"
-        cubin.write_bytes(compile_cubin(bm, bn, group, warps))
+        cubin.write_bytes(compile_cubin(bm, bn, group, warps, *stages))
         ops = loop_opcodes(cubin)
         weights_per_thread = bn * 128 // (32 * warps)  # one K step of 128 rows
         total = sum(ops.values())

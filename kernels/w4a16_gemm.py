@@ -45,6 +45,28 @@ __all__ = [
 MAGIC = tl.constexpr(8388608.0)  # 2**23: the fp32 whose low mantissa bits are the code
 
 
+def _plane_asm(i: int, scaled: bool) -> str:
+    """PTX for nibble plane ``i`` of two int32 words ``$1``, ``$2`` -> bf16x2 ``$0`` (``pack=2``).
+
+    ``prmt`` puts the 16-bit half holding nibble ``i`` of ``$1`` in the low half and that of
+    ``$2`` in the high half; one shift and one ``lop3`` (``(t & 0x000F000F) | 0x43004300``) give
+    ``128 + code`` in both bf16 halves (bf16 ``0x4300`` is 128 and its last mantissa bit is 1), so
+    two weights cost about two instructions. Unscaled (``scaled=False``) that is the result: the
+    caller removes ``128 + zero`` with a second dot. Scaled, ``$3`` holds ``-(128 + zero)`` and
+    ``$4`` the scale (both bf16x2): ``fma`` gives ``code - zero`` exactly, a second ``fma`` (with
+    ``-0``) rounds ``(code - zero) * scale`` once, as an fp32 product cast to bf16 would.
+    """
+    t = "{ .reg .b32 t, c; "
+    t += f"prmt.b32 t, $1, $2, {'0x5410' if i < 4 else '0x7632'}; "
+    if i % 4:
+        t += f"shr.u32 t, t, {4 * (i % 4)}; "
+    if not scaled:
+        return t + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
+    t += "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+    t += "mov.b32 c, 0x3F803F80; fma.rn.bf16x2 t, t, c, $3; "
+    return t + "mov.b32 c, 0x80008000; fma.rn.bf16x2 $0, t, $4, c; }"
+
+
 @triton.jit
 def _plane(words, i: tl.constexpr, magic_zero):
     """Nibble plane ``i`` of int32 ``words`` as fp32 ``code - zero``; ``magic_zero = 2**23 + zero``.
@@ -54,30 +76,31 @@ def _plane(words, i: tl.constexpr, magic_zero):
     return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_zero
 
 
+_PLANE_RAW = tl.constexpr(tuple(_plane_asm(i, False) for i in range(8)))
+_PLANE_SCALED = tl.constexpr(tuple(_plane_asm(i, True) for i in range(8)))
+
+
 @triton.jit
-def _load_step(
-    qw_ptr, s_ptr, z_ptr, step, row_end, offs_n, n_mask, K, stride_qk, stride_sk,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Words ``[R, BN]`` (word rows ``>= row_end`` masked off), scales and ``2**23 + zero``
-    (``[1, BN]`` when one group spans the step, else ``[R, BN]``) of K step ``step``."""
-    R: tl.constexpr = BLOCK_K // 8
-    rows = step * R + tl.arange(0, R)
-    mask = (rows < row_end)[:, None] & n_mask[None, :]
-    words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
-    if GROUP % BLOCK_K == 0:
-        # clamped so that a step past the end reads a real (unused) row
-        g = tl.minimum(step * BLOCK_K // GROUP, K // GROUP - 1)
-        g_off = g * stride_sk + offs_n[None, :]
-        mask = n_mask[None, :]
-    else:
-        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
-    scale = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32) + MAGIC
-    else:
-        zero = tl.zeros_like(scale) + (MAGIC + 8.0)
-    return words, scale, zero
+def _plane_raw(words, i: tl.constexpr, FAST: tl.constexpr):
+    """Nibble plane ``i`` of int32 ``words`` as bf16 ``128 + code`` (exact)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            _PLANE_RAW[i], "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    return (((words >> (4 * i)) & 0xF).to(tl.float32) + 128.0).to(tl.bfloat16)
+
+
+@triton.jit
+def _plane_scaled(words, i: tl.constexpr, neg_zero, scale, FAST: tl.constexpr):
+    """Nibble plane ``i`` as bf16 ``(code - zero) * scale``, rounded once; ``neg_zero`` is bf16
+    ``-(128 + zero)`` and ``scale`` bf16, both shaped like ``words``."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            _PLANE_SCALED[i], "=r,r,r,r,r", [words, neg_zero, scale],
+            dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    code = ((words >> (4 * i)) & 0xF).to(tl.float32) + 128.0
+    return ((code + neg_zero.to(tl.float32)) * scale.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -85,39 +108,71 @@ def _w4a16_accumulate(
     acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
     K, stride_qk, stride_sk, step_begin, step_end,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr = True, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):  # fmt: skip
     """acc[BM, BN] += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
     ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element.
 
-    The next step's words and scales are loaded before this step is decoded, so memory latency
-    overlaps the decode.
+    Per step of ``BLOCK_K = 8 R`` inputs: one ``[R, BN]`` tile of words, and for each nibble plane
+    ``i`` a ``[BM, R] x [R, BN]`` dot with the strided activations ``x[:, i::8]``. With one group
+    per step the weights go into the dot as ``128 + code`` and a second dot with the constant
+    ``-(128 + zero)`` removes the offset (cheaper than a subtraction per weight; exact products,
+    fp32 sums); the scale then multiplies the ``[BM, BN]`` partial sum. With smaller groups each
+    weight is decoded to ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode
+    (GPU); the plain-Triton decode computes the same bf16 values (for the CPU interpreter).
+    Triton's software pipelining (``num_stages``) prefetches the words into shared memory.
     """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
-    row_end = tl.minimum(K // 8, step_end * R)  # this K range's last word row, exclusive
-    words, scale, zero = _load_step(
-        qw_ptr, s_ptr, z_ptr, step_begin, row_end, offs_n, n_mask, K,
-        stride_qk, stride_sk, GROUP, HAS_ZEROS, BLOCK_K,
-    )  # fmt: skip
+    row_end = K // 8
+    one_group: tl.constexpr = GROUP % BLOCK_K == 0
     for step in range(step_begin, step_end):
-        next_words, next_scale, next_zero = _load_step(
-            qw_ptr, s_ptr, z_ptr, step + 1, row_end, offs_n, n_mask, K,
-            stride_qk, stride_sk, GROUP, HAS_ZEROS, BLOCK_K,
-        )  # fmt: skip
-        x_step = x_rows + (step * BLOCK_K + offs_r * 8)[None, :]
-        x_mask = m_mask[:, None] & ((step * BLOCK_K + offs_r * 8) < K)[None, :]
-        if GROUP % BLOCK_K == 0:
-            # one group spans the step: scale the [BM, BN] partial sum, not every weight
+        rows = step * R + offs_r
+        if EVEN_K and EVEN_N:
+            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :])
+        else:
+            w_mask = (rows < row_end)[:, None] & n_mask[None, :]
+            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=w_mask,
+                            other=0)  # fmt: skip
+        if one_group:
+            g_off = (step * BLOCK_K // GROUP) * stride_sk + offs_n[None, :]
+        else:
+            g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+        if EVEN_N and (one_group or EVEN_K):
+            scale = tl.load(s_ptr + g_off)
+        else:
+            g_mask = n_mask[None, :] if one_group else (rows < row_end)[:, None] & n_mask[None, :]
+            scale = tl.load(s_ptr + g_off, mask=g_mask, other=0.0)
+        if HAS_ZEROS:
+            if EVEN_N and (one_group or EVEN_K):
+                zero = tl.load(z_ptr + g_off).to(tl.float32)
+            else:
+                zero = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
+            neg_zero = (-128.0 - zero).to(tl.bfloat16)
+        else:
+            neg_zero = tl.full(scale.shape, -136.0, tl.bfloat16)
+        x_k = step * BLOCK_K + offs_r * 8
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+        else:
+            x_mask = m_mask[:, None] & (x_k < K)[None, :]
+        x_step = x_rows + x_k[None, :]
+        if one_group:
+            offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
             part = tl.zeros(acc.shape, dtype=tl.float32)
             for i in tl.static_range(8):
-                w = _plane(words, i, zero).to(tl.bfloat16)
-                part = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, part)
-            acc += part * scale
+                x_i = tl.load(x_step + i, mask=x_mask, other=0.0)
+                part = tl.dot(x_i, _plane_raw(words, i, FAST), part)
+                part = tl.dot(x_i, offset, part)
+            acc += part * scale.to(tl.float32)
         else:
             for i in tl.static_range(8):
-                w = (_plane(words, i, zero) * scale).to(tl.bfloat16)
-                acc = tl.dot(tl.load(x_step + i, mask=x_mask, other=0.0), w, acc)
-        words, scale, zero = next_words, next_scale, next_zero
+                x_i = tl.load(x_step + i, mask=x_mask, other=0.0)
+                if s_ptr.dtype.element_ty == tl.bfloat16:
+                    w = _plane_scaled(words, i, neg_zero, scale, FAST)
+                else:  # fp16 scales: keep them exact (fp32 maths), no packed bf16 scale
+                    w = _plane_scaled(words, i, neg_zero, scale, False)
+                acc = tl.dot(x_i, w, acc)
     return acc
 
 
@@ -128,7 +183,7 @@ def _w4a16_gemm_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -141,7 +196,7 @@ def _w4a16_gemm_kernel(
     acc = _w4a16_accumulate(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr + offs_m[:, None] * stride_xm,
         m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, stride_qk, stride_sk,
-        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K,
+        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = m_mask[:, None] & n_mask[None, :]
@@ -256,6 +311,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        FAST=not interpreted(), EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)

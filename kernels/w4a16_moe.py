@@ -56,6 +56,7 @@ def _moe_gemm_kernel(
     stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile."""
     pid = tl.program_id(0)
@@ -75,7 +76,7 @@ def _moe_gemm_kernel(
         acc = _w4a16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
             z_ptr + expert * stride_se, offs_n, n_mask, K, stride_wk, stride_sk, 0, steps,
-            GROUP, HAS_ZEROS, BLOCK_K,
+            GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N,
         )  # fmt: skip
     else:
         acc = _bf16_accumulate(
@@ -166,6 +167,7 @@ def moe_gemm(
         x.stride(0), swe, swk, sse, ssk, out.stride(0),
         INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        FAST=not interpreted(), EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
