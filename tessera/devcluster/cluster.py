@@ -37,13 +37,14 @@ SERVICE_CIDR = "10.0.0.0/24"
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 10.0
 NODE_LEASE_S = 40
-# Leases are heartbeats (kwok renews one per node every few seconds): noise when counting writes.
+# Node leases are heartbeats (kwok renews one per node every 10 s): noise when counting writes.
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
     "rules": [
-        {"level": "None", "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
+        {"level": "None", "namespaces": ["kube-node-lease"],
+         "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
         {"level": "None", "nonResourceURLs": ["/healthz*", "/readyz*", "/livez*", "/version"]},
         {"level": "Metadata"},
     ],
@@ -242,7 +243,8 @@ class DevCluster:
 
     @property
     def audit_log(self) -> Path:
-        """JSON lines, one per API request at Metadata level (leases and health checks left out)."""
+        """JSON lines, one per API request at Metadata level (node leases and health checks
+        left out)."""
         return self.layout.audit_log
 
     @property
