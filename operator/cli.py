@@ -21,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--leader-election", metavar="NAMESPACE/NAME", default="",
                      help="run only while holding this Lease, so replicas never act at once "
                           "(e.g. tessera-system/tessera-operator); default: no election")
+    run.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus metrics on this port (default: none)")
     run.add_argument("--verbose", "-v", action="store_true")
     run.set_defaults(func=run_operator)
 
@@ -28,11 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         raise SystemExit("--resync-seconds must be positive, e.g. 60")
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"--metrics-port {args.metrics_port} is not a port; use 1..65535")
     namespace, _, lease = args.leader_election.partition("/")
     if args.leader_election and not (namespace and lease):
         raise SystemExit(f"--leader-election {args.leader_election!r}: expected NAMESPACE/NAME, "
                          "e.g. tessera-system/tessera-operator")
     import kopf  # imported here so other subcommands do not pay for it
+    import prometheus_client
     from tessera.operator import handlers
     from tessera.operator.kube import Kube, new_api_client
     from tessera.operator.leader import LeaderLease
@@ -42,6 +47,8 @@ def run_operator(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # kopf logs every handler call at INFO: one line per watch event
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port)
     if args.leader_election:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         LeaderLease(Kube(new_api_client()), lease, namespace, identity).acquire()

@@ -12,7 +12,7 @@ from typing import Any
 
 # Kubernetes omits zero values (false, 0, "", empty lists and maps) from what it returns, so a
 # desired zero value matches an absent field.
-_ZERO = (False, 0, "", [], {})
+_ZERO: tuple[Any, ...] = (False, 0, "", [], {})
 
 
 def contains(observed: Any, desired: Any) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.operator import constants as c
+from tessera.operator import metrics
 from tessera.operator.children import child_name, desired_children, phases_of
 from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
@@ -47,6 +48,9 @@ class Store:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def put(self, obj: Obj) -> None:
+        # managedFields are often half an object's size and nothing here reads them.
+        obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items()
+                                   if k != "managedFields"}}
         k = key_of(obj)
         with self._lock:
             old = self.objects.get(k)
@@ -95,28 +99,49 @@ def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj | None:
     return {**{k: None for k in old if k not in new}, **new}
 
 
-def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj],
-           render_configs: Callable[[Mapping[str, Any], DeploymentPlan], dict[str, str]],
+@dataclass(frozen=True)
+class Intent:
+    """What a spec asks for: the plan (or why there is none) and, if admitted, the children.
+    It depends only on the spec and the parent's identity, so it is computed once per
+    generation."""
+
+    plan: DeploymentPlan | None
+    error: PlanError | None
+    desired: list[Obj]  # empty when the spec is not admitted
+
+    @property
+    def admitted(self) -> bool:
+        return self.plan is not None and self.plan.ok
+
+
+def intend(md: Mapping[str, Any],
+           render_configs: Callable[[Mapping[str, Any], DeploymentPlan], dict[str, str]]
+           ) -> Intent:
+    plan, error = plan_spec(md["spec"])
+    desired = (desired_children(md, render_configs(md, plan))
+               if plan is not None and plan.ok else [])
+    return Intent(plan, error, desired)
+
+
+def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
            now: str) -> Decision:
-    """Everything one reconcile must do, from the parent and what it owns (pure)."""
+    """Everything one reconcile must do, from the parent, its intent and what it owns (pure)."""
     meta, spec = md["metadata"], md["spec"]
     children = {k: o for k, o in owned.items() if o["kind"] != "Event"}
     mismatches = [o for o in owned.values() if o["kind"] == "Event"
                   and o.get("reason") == c.EVENT_REASON_KV_MISMATCH]
-    plan, error = plan_spec(spec)
     apply: list[Obj] = []
     prune: list[Obj] = []
     # A spec the plan refuses gets no children; one that turned bad keeps the children it
     # has (a bad edit must not take a serving model down).
-    if plan is not None and plan.ok:
-        desired = desired_children(md, render_configs(md, plan))
-        apply = [d for d in desired if needs_apply(d, children.get(key_of(d)))]
-        wanted = {key_of(d) for d in desired}
+    if intent.admitted:
+        apply = [d for d in intent.desired if needs_apply(d, children.get(key_of(d)))]
+        wanted = {key_of(d) for d in intent.desired}
         prune = [o for k, o in children.items() if k not in wanted]
     workloads = {component: observe_workload(
         children.get(("Deployment", meta["namespace"], child_name(meta["name"], component))))
         for component in (*phases_of(spec), c.ROUTER)}
-    status, changed = build_status(md, plan, error, workloads, mismatches, now)
+    status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
 
 
@@ -131,6 +156,7 @@ class Reconciler:
                  render_configs: Callable[[Mapping[str, Any], DeploymentPlan],
                                           dict[str, str]]) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
+        self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -138,26 +164,45 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
+    def _intent(self, md: Obj) -> Intent:
+        meta = md["metadata"]
+        generation = int(meta.get("generation", 0))
+        cached = self._intents.get(meta["uid"])
+        if cached is None or cached[0] != generation:
+            cached = (generation, intend(md, self._render))
+            self._intents[meta["uid"]] = cached
+        return cached[1]
+
     def reconcile(self, namespace: str, name: str) -> Decision | None:
-        with self._lock(namespace, name):
+        with self._lock(namespace, name), metrics.RECONCILE_SECONDS.time():
             md = self.store.get(c.KIND, namespace, name)
             if md is None or md["metadata"].get("deletionTimestamp"):
                 return None  # gone or going: owner references garbage-collect the children
-            decision = decide(md, self.store.owned_by(namespace, name), self._render, _now())
-            self._carry_out(md, decision)
+            try:
+                decision = decide(md, self.store.owned_by(namespace, name), self._intent(md),
+                                  _now())
+                self._carry_out(md, decision)
+            except Exception:
+                metrics.RECONCILES.labels("error").inc()
+                raise
+            metrics.RECONCILES.labels("ok").inc()
             return decision
 
     def _carry_out(self, md: Obj, decision: Decision) -> None:
         for obj in decision.apply:
             self.store.put(self.kube.apply(obj))  # write-through: the next decide sees it
+            metrics.WRITES.labels("apply").inc()
         for obj in decision.prune:
             self.kube.delete(obj)
             self.store.drop(obj)
+            metrics.WRITES.labels("prune").inc()
         if decision.status_patch is not None:
             self.store.put(self.kube.patch_status(md, decision.status_patch))
+            metrics.WRITES.labels("status").inc()
         for cond in decision.events:
             self.kube.post_event(md, event_type(cond), cond["reason"],
                                  f"{cond['type']} is {cond['status']}: {cond['message']}")
+            metrics.WRITES.labels("event").inc()
         if decision.apply or decision.prune:
             log.info("%s/%s: applied %d, pruned %d", md["metadata"]["namespace"],
                      md["metadata"]["name"], len(decision.apply), len(decision.prune))
@@ -165,7 +210,9 @@ class Reconciler:
     def resync(self) -> int:
         """Reconcile every known deployment; returns how many made any request."""
         busy = 0
-        for namespace, name in self.store.deployments():
+        deployments = self.store.deployments()
+        metrics.DEPLOYMENTS.set(len(deployments))
+        for namespace, name in deployments:
             decision = self.reconcile(namespace, name)
             busy += bool(decision and (decision.apply or decision.prune or decision.events
                                        or decision.status_patch))

@@ -12,11 +12,13 @@ import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,13 @@ class Operator:
     def __init__(self, env: dict[str, str], log: Path, *extra: str) -> None:
         self.env, self.log, self.extra = env, log, extra
         self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_url = ""
+
+    def metric(self, name: str) -> float:
+        """The sum of a counter's samples on the metrics endpoint."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
 
     def start(self, ready_line: str = "operator started") -> None:
         """Launch, and wait until the log says `ready_line` (after this launch)."""
@@ -135,7 +144,11 @@ def operator(cluster: Any) -> Iterator[Operator]:
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/modeldeployments.tessera.dev")
     log = Path(tempfile.mkdtemp(prefix="tessera-operator-")) / "operator.log"
-    op = Operator(cluster.env, log)
+    with socket.socket() as probe:  # a free port for the metrics endpoint
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    op = Operator(cluster.env, log, "--metrics-port", str(port))
+    op.metrics_url = f"http://127.0.0.1:{port}/metrics"
     op.start()
     yield op
     op.stop()
@@ -332,9 +345,14 @@ def test_resync_with_nothing_changed_writes_nothing(operator: Operator, kubectl:
     # ... and, once converged, several resyncs later there are none at all (any namespace).
     time.sleep(1.0)
     log_at, since = len(operator.text()), audit_offset(cluster)
+    counted = operator.metric("tessera_operator_writes_total")
+    reconciles = operator.metric("tessera_operator_reconciles_total")
     time.sleep(3 * RESYNC_S + 0.5)
     assert operator.text()[log_at:].count("resync:") >= 2  # resyncs did run
     assert summary(operator_writes(cluster, since)) == []
+    # The operator's own counters agree: it reconciled, and wrote nothing.
+    assert operator.metric("tessera_operator_reconciles_total") > reconciles
+    assert operator.metric("tessera_operator_writes_total") == counted
 
 
 def test_drift_is_restored_and_foreign_fields_are_kept(operator: Operator, kubectl: Any,

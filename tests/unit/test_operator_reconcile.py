@@ -8,11 +8,16 @@ from typing import Any
 
 import yaml
 from tessera.operator import constants as c
-from tessera.operator.reconcile import Decision, Key, decide, key_of, status_patch
+from tessera.operator.reconcile import Decision, Key, intend, key_of, status_patch
+from tessera.operator.reconcile import decide as decide_with
 from tessera.operator.render import render_configs
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-kimi-k2" / "modeldeployment.yaml"
 NOW = "2026-01-01T00:00:00Z"
+
+
+def decide(md: dict[str, Any], owned: dict[Key, Any], now: str) -> Decision:
+    return decide_with(md, owned, intend(md, render_configs), now)
 
 
 def kimi() -> dict[str, Any]:
@@ -41,9 +46,9 @@ def as_stored(obj: dict[str, Any], ready: bool = False) -> dict[str, Any]:
 
 def converge(md: dict[str, Any], ready: bool) -> tuple[dict[str, Any], dict[Key, Any]]:
     """Apply a first decision as the cluster would; return the parent and its children."""
-    first = decide(md, {}, render_configs, NOW)
+    first = decide(md, {}, NOW)
     owned = {key_of(o): as_stored(o, ready) for o in first.apply}
-    after = decide(md, owned, render_configs, NOW)
+    after = decide(md, owned, NOW)
     assert after.status_patch is not None
     md = {**md, "status": {k: v for k, v in after.status_patch.items() if v is not None}}
     return md, owned
@@ -55,7 +60,7 @@ def conditions(decision: Decision) -> dict[str, tuple[str, str]]:
 
 
 def test_a_new_deployment_gets_every_child_and_a_status() -> None:
-    decision = decide(kimi(), {}, render_configs, NOW)
+    decision = decide(kimi(), {}, NOW)
     assert len(decision.apply) == 15 and decision.prune == []
     got = conditions(decision)
     assert got["Ready"] == ("False", "ComponentsNotReady")
@@ -78,7 +83,7 @@ def test_ready_once_every_deployment_is_ready() -> None:
 
 def test_nothing_changed_means_nothing_to_do() -> None:
     md, owned = converge(kimi(), ready=True)
-    again = decide(md, owned, render_configs, "2026-01-01T01:00:00Z")
+    again = decide(md, owned, "2026-01-01T01:00:00Z")
     assert again == Decision(apply=[], prune=[], status_patch=None, events=[])
 
 
@@ -87,14 +92,14 @@ def test_a_child_edited_by_hand_is_reapplied_alone() -> None:
     key = ("Deployment", "llm", "kimi-k2-decode")
     owned[key]["spec"]["replicas"] = 5
     owned[("Service", "llm", "kimi-k2-router")]["metadata"]["labels"]["team"] = "x"  # not ours
-    decision = decide(md, owned, render_configs, NOW)
+    decision = decide(md, owned, NOW)
     assert [key_of(o) for o in decision.apply] == [key]
 
 
 def test_a_deleted_child_is_recreated() -> None:
     md, owned = converge(kimi(), ready=True)
     del owned[("ConfigMap", "llm", "kimi-k2-prefill-config")]
-    decision = decide(md, owned, render_configs, NOW)
+    decision = decide(md, owned, NOW)
     assert [key_of(o) for o in decision.apply] == [("ConfigMap", "llm", "kimi-k2-prefill-config")]
 
 
@@ -104,13 +109,13 @@ def test_a_child_no_longer_wanted_is_pruned() -> None:
              "metadata": {"name": "kimi-k2-old", "namespace": "llm",
                           "labels": {c.LABEL_DEPLOYMENT: "kimi-k2"}}}
     owned[key_of(stray)] = stray
-    assert decide(md, owned, render_configs, NOW).prune == [stray]
+    assert decide(md, owned, NOW).prune == [stray]
 
 
 def test_a_kv_dtype_pair_the_transfer_cannot_carry_gets_no_children() -> None:
     md = kimi()
     md["spec"]["prefill"]["kvCache"]["dtype"] = "bf16"
-    decision = decide(md, {}, render_configs, NOW)
+    decision = decide(md, {}, NOW)
     assert decision.apply == [] and decision.prune == []
     got = conditions(decision)
     assert got["PrecisionValid"] == ("False", "KVCacheDtypeMismatch")
@@ -122,7 +127,7 @@ def test_weights_that_do_not_fit_get_capacity_planned_false() -> None:
     md = kimi()
     md["spec"]["decode"]["weights"] = {"dtype": "bf16", "uri": "hf://moonshotai/Kimi-K2"}
     md["spec"]["decode"]["kvCache"]["dtype"] = "fp8_e4m3"
-    decision = decide(md, {}, render_configs, NOW)
+    decision = decide(md, {}, NOW)
     assert decision.apply == []
     assert conditions(decision)["CapacityPlanned"] == ("False", "InsufficientGPUMemory")
 
@@ -131,7 +136,7 @@ def test_a_spec_turned_bad_keeps_the_running_children() -> None:
     md, owned = converge(kimi(), ready=True)
     md["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
     md["metadata"]["generation"] = 2
-    decision = decide(md, owned, render_configs, NOW)
+    decision = decide(md, owned, NOW)
     assert decision.apply == [] and decision.prune == []
     got = conditions(decision)
     assert got["PrecisionValid"] == ("False", "KVCacheDtypeMismatch")
@@ -145,7 +150,7 @@ def test_mismatch_events_turn_kv_integrity_false() -> None:
           "message": "1 request aborted", "involvedObject": {"kind": "Pod", "name": "dec-0"},
           "metadata": {"name": "e1", "namespace": "llm", "labels": {c.LABEL_DEPLOYMENT: "kimi-k2"}}}
     owned[key_of(ev)] = ev
-    decision = decide(md, owned, render_configs, NOW)
+    decision = decide(md, owned, NOW)
     assert decision.apply == []
     assert conditions(decision)["KVIntegrity"] == ("False", "MismatchesDetected")
     assert [x["type"] for x in decision.events] == ["KVIntegrity"]
