@@ -136,7 +136,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
     container = {
         "name": "engine",
         "image": spec["engine"]["image"],
-        "command": ["tessera-runtime"],
+        "command": list(c.RUNTIME_ENGINE),
         "env": _runtime_env(),
         "ports": ports,
         "resources": {"requests": {c.GPU_RESOURCE: gpus}, "limits": {c.GPU_RESOURCE: gpus}},
@@ -215,7 +215,7 @@ def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
     container = {
         "name": "router",
         "image": spec["engine"]["image"],
-        "command": ["tessera-runtime"],
+        "command": list(c.RUNTIME_ROUTER),
         "env": _runtime_env(),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": c.PORT_ROUTER_METRICS, "protocol": "TCP"}],

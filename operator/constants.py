@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tessera.runtime import config as runtime_config
+
 from tessera import API_GROUP, API_VERSION
 
 KIND = "ModelDeployment"
@@ -32,20 +34,23 @@ ANNOTATION_DESIRED_HASH = f"{API_GROUP}/desired-hash"
 ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
 
 # Env keys the runtime reads (the downward API fills the POD_* ones).
-ENV_POD_NAME = "POD_NAME"
+ENV_POD_NAME = runtime_config.ENV_POD_NAME
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_POD_UID = "POD_UID"
-ENV_RUNTIME_CONFIG = "TESSERA_RUNTIME_CONFIG"
+ENV_RUNTIME_CONFIG = runtime_config.ENV_CONFIG
+# `tessera-runtime` subcommands of engine and router pods.
+RUNTIME_ENGINE = ["tessera-runtime", "serve"]
+RUNTIME_ROUTER = ["tessera-runtime", "router"]
 
 CONFIG_MOUNT_DIR = "/etc/tessera"
 CONFIG_KEY = "runtime.json"
 MODELS_DIR = "/models"
 
-# Ports: SGLang's defaults, and the runtime config's defaults for the metrics exporters.
-PORT_HTTP = 30000
-PORT_BOOTSTRAP = 8998
-PORT_METRICS = 9400
-PORT_ROUTER_METRICS = 29000
+# Ports: the runtime config's defaults (SGLang's own for HTTP and bootstrap).
+PORT_HTTP = runtime_config.PortsConfig().http
+PORT_BOOTSTRAP = runtime_config.PortsConfig().bootstrap
+PORT_METRICS = runtime_config.PortsConfig().metrics
+PORT_ROUTER_METRICS = runtime_config.RouterConfig.model_fields["metrics_port"].default
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # The Event the runtime posts when the KV page check aborts requests (issue: KV integrity).

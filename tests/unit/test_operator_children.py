@@ -81,6 +81,7 @@ def test_engine_pod_template_schedules_on_the_gpu_pool() -> None:
     assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
                                            "effect": "NoSchedule"}]
     (engine,) = pod["spec"]["containers"]
+    assert engine["command"] == ["tessera-runtime", "serve"]
     assert engine["resources"] == {"requests": {"nvidia.com/gpu": "8"},
                                    "limits": {"nvidia.com/gpu": "8"}}
     assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {
@@ -143,6 +144,7 @@ def test_router_discovers_each_phase_by_label() -> None:
                               "verbs": ["get", "list", "watch"]}]
     pod = kids[("Deployment", "kimi-k2-router")]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "kimi-k2-router"
+    assert pod["containers"][0]["command"] == ["tessera-runtime", "router"]
     assert "resources" not in pod["containers"][0]  # no GPU for the router
 
 
