@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.runtime.quantize.convert import REOPEN_BYTES
 from tessera.runtime.quantize.plan import Options
 
 SOURCE_MOUNT = "/models/source"
 OUTPUT_MOUNT = "/models/int4"
-# Python with torch imported, before any tensor is read (measured: bench/quantize_memory.py)
+# Python with torch imported (about 0.5 GiB) and a CUDA context (about 0.3 GiB) before any
+# tensor is read; measured by bench/quantize_memory.py
 BASELINE_BYTES = 1 << 30
-# Live copies of the largest tensor: read, converted, and written (a BF16 copy of an FP8
-# weight is 2x its bytes, its float32 dequantization 4x).
-LARGEST_TENSOR_COPIES = 6
+# Live copies of the largest tensor while it is converted: its mapped source pages, the tensor
+# read, and what is made from it. An estimate, not a measurement: in the benchmark the
+# largest tensor (32 MiB at most) was lost in the shard read window.
+LARGEST_TENSOR_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -46,5 +49,5 @@ def converter_job(options: Options, largest_tensor_bytes: int,
             "--group-size", str(options.group_size), "--device", device]
     for target in options.targets:
         argv += ["--target", target]
-    memory = BASELINE_BYTES + LARGEST_TENSOR_COPIES * largest_tensor_bytes
+    memory = BASELINE_BYTES + REOPEN_BYTES + LARGEST_TENSOR_COPIES * largest_tensor_bytes
     return ConverterJob(argv, source_mount, output_mount, memory)

@@ -233,3 +233,12 @@ def test_output_passes_the_runtimes_int4_preflight(converted) -> None:
     # and the FP8 source is told apart, so the check can fail
     problem = check_checkpoint(decode, read_checkpoint(str(src)))
     assert problem is not None and "holds fp8 weights" in problem.message
+
+
+@pytest.mark.gpu
+def test_cuda_arithmetic_writes_the_same_bytes_as_the_cpu(tmp_path: Path) -> None:
+    src = write_checkpoint(tmp_path / "src", TINY_CONFIGS["glm-5"], max_shard_bytes=2 << 20)
+    on_cpu = run(src, tmp_path / "cpu")
+    on_gpu = convert(src, tmp_path / "gpu", Options(), device="cuda",
+                     progress_stream=io.StringIO())
+    assert on_gpu["shards"] == on_cpu["shards"]

@@ -185,3 +185,16 @@ def test_a_scale_stored_in_another_shard_is_found(tmp_path: Path) -> None:
     assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors"}
     assert manifest["sizes"]["routed_experts"]["after"] == 3 * (128 * 256 // 2 + 128 * 256 // 64
                                                                 + 8)
+
+
+def test_read_chunks_bound_the_bytes_read_per_open(src: Path) -> None:
+    from tessera.runtime.quantize.convert import read_chunks
+
+    plan = make_plan(read_checkpoint(src), Options())
+    steps = [step for steps in plan.shards.values() for step in steps]
+    limit = 64 << 10
+    chunks = read_chunks(steps, limit)
+    assert [s for chunk in chunks for s in chunk] == steps  # all, in order
+    for chunk in chunks:
+        assert len(chunk) == 1 or sum(s.source_bytes for s in chunk) <= limit
+    assert len(chunks) > 1
