@@ -29,6 +29,7 @@ RESYNC_SECONDS = 60.0
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.enabled = False  # our own events only, and only on condition changes
+    settings.execution.max_workers = 16  # handler threads mostly wait on the API server
     store = Store()
     kube = Kube(new_api_client())
     # Fill the store before the watches start, so the first reconciles see existing children

@@ -150,19 +150,16 @@ def _now() -> str:
 
 
 class Reconciler:
-    """Runs decide() for one deployment at a time and carries out the decision."""
+    """Runs decide() for each deployment, never twice at once, and carries out the decision."""
 
     def __init__(self, kube: Kube, store: Store,
                  render_configs: Callable[[Mapping[str, Any], DeploymentPlan],
                                           dict[str, str]]) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
         self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+        self._guard = threading.Lock()
+        self._running: set[tuple[str, str]] = set()  # being reconciled now
+        self._dirty: set[tuple[str, str]] = set()  # to go round again when that run ends
 
     def _intent(self, md: Obj) -> Intent:
         meta = md["metadata"]
@@ -174,7 +171,29 @@ class Reconciler:
         return cached[1]
 
     def reconcile(self, namespace: str, name: str) -> Decision | None:
-        with self._lock(namespace, name), metrics.RECONCILE_SECONDS.time():
+        """Reconcile one deployment; if it is already being reconciled, have that run go
+        round once more instead of waiting (so no worker thread blocks on another's work,
+        and a burst of events for one deployment costs one or two reconciles)."""
+        key = (namespace, name)
+        with self._guard:
+            if key in self._running:
+                self._dirty.add(key)
+                return None
+            self._running.add(key)
+        try:
+            while True:
+                decision = self._reconcile_once(namespace, name)
+                with self._guard:
+                    if key not in self._dirty:
+                        return decision
+                    self._dirty.discard(key)
+        finally:
+            with self._guard:
+                self._running.discard(key)
+                self._dirty.discard(key)
+
+    def _reconcile_once(self, namespace: str, name: str) -> Decision | None:
+        with metrics.RECONCILE_SECONDS.time():
             md = self.store.get(c.KIND, namespace, name)
             if md is None or md["metadata"].get("deletionTimestamp"):
                 return None  # gone or going: owner references garbage-collect the children

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from tessera.operator import constants as c
-from tessera.operator.reconcile import Decision, Key, intend, key_of, status_patch
+from tessera.operator.reconcile import (
+    Decision,
+    Key,
+    Reconciler,
+    Store,
+    intend,
+    key_of,
+    status_patch,
+)
 from tessera.operator.reconcile import decide as decide_with
 from tessera.operator.render import render_configs
 
@@ -159,3 +169,42 @@ def test_mismatch_events_turn_kv_integrity_false() -> None:
 def test_status_patch_nulls_dropped_keys() -> None:
     assert status_patch({"a": 1, "b": 2}, {"a": 1, "b": 2}) is None
     assert status_patch({"a": 1, "endpoint": "x"}, {"a": 2}) == {"a": 2, "endpoint": None}
+
+
+class RecordingKube:
+    """The API server as far as one reconcile needs it: echoes what is written, and can hold
+    the first apply until released (to overlap two reconciles)."""
+
+    def __init__(self) -> None:
+        self.applied: list[str] = []
+        self.release = threading.Event()
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.release.wait(5)
+        self.applied.append(obj["metadata"]["name"])
+        return as_stored(obj, ready=True)
+
+    def patch_status(self, md: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        status = {k: v for k, v in patch.items() if v is not None}
+        return {**md, "status": status, "metadata": {**md["metadata"], "resourceVersion": "9"}}
+
+    def post_event(self, *args: Any) -> None:
+        pass
+
+
+def test_events_during_a_reconcile_coalesce_into_one_more_round() -> None:
+    kube, store = RecordingKube(), Store()
+    md = kimi()
+    md["metadata"]["resourceVersion"] = "1"
+    store.put(md)
+    reconciler = Reconciler(kube, store, render_configs)  # type: ignore[arg-type]
+    first = threading.Thread(target=reconciler.reconcile, args=("llm", "kimi-k2"))
+    first.start()
+    time.sleep(0.2)  # the first run is now inside its first apply
+    # Three more events arrive: none blocks, none runs a reconcile of its own.
+    assert [reconciler.reconcile("llm", "kimi-k2") for _ in range(3)] == [None, None, None]
+    kube.release.set()
+    first.join(5)
+    # One run applied all 15 children; the coalesced second round found nothing to apply.
+    assert len(kube.applied) == 15
+    assert reconciler.reconcile("llm", "kimi-k2") == Decision([], [], None, [])
