@@ -51,7 +51,7 @@ class Progress:
         rate = self.done / max(now - self.start, 1e-9)
         eta = (self.total - self.done) / rate if rate else 0.0
         bar = "#" * int(frac * 30)
-        line = (f"quantize [{bar:<30}] {frac:6.1%} {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+        line = (f"quantize [{bar:<30}] {frac:6.1%} {_human(self.done)} of {_human(self.total)} "
                 f"{rate / 1e6:.0f} MB/s eta {eta:.0f}s {label}")
         self.stream.write(("\r" + line) if self.live else line + "\n")
         if self.live and self.done >= self.total:
