@@ -7,9 +7,9 @@ int4 fused-MoE kernel (``fused_moe_kernel_gptq_awq``, read from SGLang's source 
 few configs). Every timing is a CUDA-graph replay of many calls cycling through several weight
 and input sets (working set above the 60 MB L2), median of replays, all in this one run.
 
-    python bench/w4a16_bench.py [--quick] [--sglang-kernels PATH] [--out DIR]
+    python bench/w4a16_bench.py [--quick] [--sglang-kernels PATH] [--out DIR] [--tag _v2]
 
-Prints a table last and writes w4a16_gemm.json and w4a16_moe.json under --out.
+Prints a table last and writes w4a16_gemm<tag>.json and w4a16_moe<tag>.json under --out.
 """
 
 from __future__ import annotations
@@ -304,12 +304,13 @@ def main() -> None:
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     kernel = load_sglang_moe_kernel(args.sglang_kernels) if args.sglang_kernels else None
-    m_values = (1, 4, 16, 64, 512) if args.quick else M_VALUES
+    m_values = (1, 4, 16, 64) if args.quick else M_VALUES
     gemm_shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
     tokens = (1, 16, 64) if args.quick else MOE_TOKENS
     moe_shapes = dict(list(MOE_SHAPES.items())[:1]) if args.quick else MOE_SHAPES
@@ -320,7 +321,7 @@ def main() -> None:
         if args.only in (None, part):
             results[part] = run()
             doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": results[part]}
-            (args.out / f"w4a16_{part}.json").write_text(json.dumps(doc, indent=1))
+            (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):
         print(f"{r['shape']:32s} M={r['M']:5d}  x{r['x_vs_bf16']:5.2f} vs bf16  "

@@ -1,16 +1,22 @@
-"""Count the machine instructions in the K loop of the W4A16 GEMM kernel, without a GPU.
+"""Count the machine instructions in the K loop of the W4A16 kernels, without a GPU.
 
-Compiles ``_w4a16_gemm_kernel`` for sm_90 (Hopper) with Triton's bundled ptxas, disassembles it
-with the bundled cuobjdump, finds the K loop (the longest backward branch) and prints its
-instruction count per weight per thread, the opcode mix, and the registers and stack per thread.
-Decode at small M is bound by instruction issue when this number is high: an SM issues about
-128 thread-instructions per clock, so 10 instructions per weight cap it near 13 weights per clock.
+Compiles ``_w4a16_gemm_kernel`` (and the MoE's ``_moe_gemm_kernel``) for sm_90 (Hopper) with
+Triton's bundled ptxas, with the specialization the JIT gives real shapes (16-byte aligned
+pointers, sizes and strides divisible by 16), disassembles with the bundled cuobjdump, finds the
+K loop (the longest backward branch) and prints its instructions per weight per thread, the
+opcode mix, and the registers and stack per thread. Decode at small M is bound by instruction
+issue when this number is high: an SM issues about 128 thread-instructions per clock, so at
+1.98 GHz and 132 SMs streaming INT4 at 4.2 TB/s leaves about 4 instructions per weight.
 
-    python bench/w4a16_sass.py
+    python bench/w4a16_sass.py                      # the default tiles
+    python bench/w4a16_sass.py 16,256,128,4,4       # BLOCK_M,BLOCK_N,group,warps[,stages[,BLOCK_K]]
+    python bench/w4a16_sass.py --plain ...          # the plain-Triton decode instead of the PTX one
+    python bench/w4a16_sass.py --moe ...            # the MoE grouped GEMM (INT4 experts)
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
 import subprocess
@@ -18,34 +24,52 @@ from pathlib import Path
 
 import triton
 from tessera.kernels.w4a16_gemm import _w4a16_gemm_kernel
+from tessera.kernels.w4a16_moe import _moe_gemm_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-SIGNATURE = {
+GEMM_SIGNATURE = {
     "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
     "M": "i32", "N": "i32", "K": "i32",
     "stride_xm": "i32", "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
-CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps)
-    (16, 64, 128, 4),
-    (16, 64, 32, 4),
-    (64, 128, 128, 8),
+MOE_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
+    "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32", "routing_ptr": "*fp32",
+    "N": "i32", "K": "i32", "num_pairs": "i32", "rows_per_x": "i32",
+    "stride_xm": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_se": "i32",
+    "stride_sk": "i32", "stride_om": "i32",
+}  # fmt: skip
+NOT_DIVISIBLE = {"M", "num_pairs", "rows_per_x"}
+CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 256, 128, 4, 4),
+    (16, 128, 32, 4, 4),
+    (16, 256, 32, 4, 4),
+    (32, 128, 128, 4, 4),
 ]
 
 
-def compile_cubin(
-    block_m: int, block_n: int, group: int, warps: int, stages: int = 2, fast: bool = True
-) -> bytes:
-    constexprs = {
-        "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "BLOCK_K": 128, "SPLIT_K": 1, "FAST": fast, "EVEN_K": True, "EVEN_N": True,
+def compile_cubin(cfg: tuple[int, ...], fast: bool = True, moe: bool = False) -> bytes:
+    bm, bn, group, warps, *rest = cfg
+    stages = rest[0] if rest else 4
+    block_k = rest[1] if len(rest) > 1 else 128
+    common = {
+        "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
+        "FAST": fast, "EVEN_K": True, "EVEN_N": True,
     }  # fmt: skip
-    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    # what the launcher's JIT specializes at real shapes: 16-byte aligned pointers, and sizes
-    # and strides divisible by 16 (M is not)
-    fn = _w4a16_gemm_kernel
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE if a != "M"}
+    if moe:
+        fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
+        constexprs = {**common, "INT4": True, "MUL_ROUTING": False}
+    else:
+        fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
+        constexprs = {**common, "SPLIT_K": 1}
+    signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {
+        (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
+    }
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
@@ -82,21 +106,27 @@ def resources(cubin: Path) -> str:
 
 
 def main() -> None:
-    import sys
-
-    configs = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:]] or CONFIGS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("configs", nargs="*", help="BLOCK_M,BLOCK_N,group,warps[,stages[,BLOCK_K]]")
+    ap.add_argument("--plain", action="store_true", help="plain-Triton decode (FAST=False)")
+    ap.add_argument("--moe", action="store_true", help="the MoE grouped GEMM kernel")
+    args = ap.parse_args()
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or CONFIGS
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    for bm, bn, group, warps, *stages in configs:
-        cubin = scratch / f"w4a16_m{bm}_n{bn}_g{group}_w{warps}.cubin"
-        cubin.write_bytes(compile_cubin(bm, bn, group, warps, *stages))
+    kind = ("moe" if args.moe else "gemm") + ("-plain" if args.plain else "")
+    for cfg in configs:
+        bm, bn, group, warps, *rest = cfg
+        block_k = rest[1] if len(rest) > 1 else 128
+        cubin = scratch / f"w4a16_{kind}_{'_'.join(map(str, cfg))}.cubin"
+        cubin.write_bytes(compile_cubin(cfg, fast=not args.plain, moe=args.moe))
         ops = loop_opcodes(cubin)
-        weights_per_thread = bn * 128 // (32 * warps)  # one K step of 128 rows
+        weights_per_thread = bn * block_k // (32 * warps)  # one K step
         total = sum(ops.values())
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(10))
-        print(f"BM={bm:3d} BN={bn:3d} g{group:<3d} warps={warps}: {resources(cubin)}, "
-              f"K loop {total} instr = {total / weights_per_thread:.1f} per weight per thread; "
-              f"{top}")  # fmt: skip
+        print(f"{kind} BM={bm:3d} BN={bn:3d} g{group:<3d} warps={warps} {rest}: "
+              f"{resources(cubin)}, K loop {total} instr = {total / weights_per_thread:.1f} "
+              f"per weight per thread; {top}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

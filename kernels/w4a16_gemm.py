@@ -176,7 +176,7 @@ def _w4a16_accumulate(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every M of a tile
 def _w4a16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K,
@@ -239,7 +239,8 @@ class GemmConfig:
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
+    fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
 
 
 _TUNED: dict[tuple, object] = {}
@@ -251,23 +252,24 @@ def _m_bucket(m: int) -> int:
 
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     """Tiles worth timing for this shape: weight-streaming tiles up to M = 64, larger tiles and
-    the dequantize + cuBLAS fall-back beyond."""
+    the dequantize + cuBLAS fall-back beyond.
+
+    Small M: a 16-row tile (the tensor-core minimum; M = 1 wastes rows, not weight bytes) and 64
+    to 256 columns; the offline SASS count (``bench/w4a16_sass.py``) gives 4.0, 3.0 and 2.4
+    instructions per weight for them. Each width runs unsplit and with the fewest K splits that
+    give every SM a program (split-K adds fp32 atomics, a zero fill and a cast).
+    """
     if m > 64:
-        out = [GemmConfig("triton", bm, bn, 128, 1, 8, 3) for bm, bn in ((64, 128), (128, 128))]
+        out = [GemmConfig("triton", bm, 128, 128, 1, 8, 3) for bm in (64, 128)]
         return [*out, GemmConfig("dequant_cublas")]
-    bm = max(16, _m_bucket(m))
+    bm = 16 if m <= 16 else 32
     out: list[GemmConfig] = []
-    for bn in (32, 64, 128):
-        warps = 8 if bn * bm >= 4096 else 4
+    for bn in (64, 128, 256) if bm == 16 else (64, 128):
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-        # one to about eight waves of programs over the SMs; more splits only add atomics
-        splits = [s for s in (1, 2, 4, 8) if 132 <= tiles * s and (s == 1 or tiles * s <= 1100)]
-        out += [
-            GemmConfig("triton", bm, bn, 128, s, warps, stages)
-            for s in splits[:2]
-            for stages in (2, 4)  # Triton's own pipelining on top of the prefetch
-        ]
-    return out or [GemmConfig("triton", bm, 32, 128, 1, 4)]
+        fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
+        splits = sorted({1, fill}) if bn < 256 else [fill]
+        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4) for s in splits]
+    return out
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -311,7 +313,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        FAST=not interpreted(), EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
+        FAST=cfg.fast_decode and not interpreted(),
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)

@@ -49,7 +49,7 @@ def _bf16_accumulate(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
     N, K, num_pairs, rows_per_x,
@@ -95,7 +95,8 @@ class MoeConfig:
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
+    fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
 
 
 def align_to_experts(
@@ -167,7 +168,8 @@ def moe_gemm(
         x.stride(0), swe, swk, sse, ssk, out.stride(0),
         INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        FAST=not interpreted(), EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
+        FAST=config.fast_decode and not interpreted(),
+        EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -177,7 +179,7 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     """Blocks of 16 rows at decode sizes (about one pair per expert), of 64 beyond."""
     if num_pairs > 4 * num_experts:
         return [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
-    return [MoeConfig(16, bn, 128, 4, stages) for bn in (32, 64, 128) for stages in (2, 4)]
+    return [MoeConfig(16, bn, 128, 4, 4) for bn in (64, 128, 256)]
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
