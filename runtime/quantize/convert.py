@@ -86,9 +86,10 @@ def convert(src: Path, dst: Path, options: Options, device: str = "cpu",
 
 
 def _start_manifest(dst: Path, ckpt: Checkpoint, options: Options) -> dict[str, Any]:
-    fresh = {
+    fingerprint = ckpt.fingerprint()
+    fresh: dict[str, Any] = {
         "version": MANIFEST_VERSION,
-        "source": {"path": str(ckpt.directory), "fingerprint": ckpt.fingerprint()},
+        "source": {"path": str(ckpt.directory), "fingerprint": fingerprint},
         "options": asdict(options) | {"targets": list(options.targets)},
         "shards": {},
         "complete": False,
@@ -104,7 +105,7 @@ def _start_manifest(dst: Path, ckpt: Checkpoint, options: Options) -> dict[str, 
         if old.get(key) != fresh[key]:
             raise ValueError(f"{dst} holds a conversion made with {key} {old.get(key)}, not "
                              f"{fresh[key]}: use another output folder or empty this one")
-    if old["source"]["fingerprint"] != fresh["source"]["fingerprint"]:
+    if old["source"]["fingerprint"] != fingerprint:
         raise ValueError(f"{dst} holds a conversion of a different source checkpoint than "
                          f"{ckpt.directory}: use another output folder or empty this one")
     return {**old, "complete": False}

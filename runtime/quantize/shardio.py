@@ -79,7 +79,7 @@ class ShardWriter:
         if got != spec:
             raise RuntimeError(f"planned {spec} but produced {got}: planner and writer disagree")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self._write(memoryview(flat.view(torch.uint8).numpy()))
+        self._write(flat.view(torch.uint8).numpy().data)
 
     def finish(self) -> str:
         """Flush, rename into place, and return the file's sha256."""
