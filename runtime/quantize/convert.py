@@ -30,6 +30,8 @@ from tessera.runtime.quantize.shardio import ShardWriter, file_sha256
 MANIFEST = "tessera-quantize.json"
 MANIFEST_VERSION = 1
 REOPEN_BYTES = 256 << 20
+# weights in any format are not copied: the converted shards replace them
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 class Progress:
@@ -183,7 +185,7 @@ def _finish(ckpt: Checkpoint, plan: Plan, dst: Path, options: Options) -> None:
     _write_json(dst / "config.json", output_config(ckpt.config, plan.ignore, options.group_size))
     skip = {INDEX, SINGLE, "config.json", *plan.shards}
     for path in ckpt.directory.iterdir():
-        if path.is_file() and path.name not in skip and not path.name.endswith(".safetensors"):
+        if path.is_file() and path.name not in skip and not path.name.endswith(WEIGHT_SUFFIXES):
             shutil.copy2(path, dst / path.name)
 
 

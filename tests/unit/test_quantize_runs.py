@@ -68,6 +68,15 @@ def test_an_interrupted_run_resumes_where_it_stopped_and_matches_a_clean_run(
     assert not list(out.glob("*.partial"))
 
 
+def test_other_files_are_copied_but_not_weights_of_other_formats(src: Path,
+                                                                  tmp_path: Path) -> None:
+    (src / "tiktoken.model").write_bytes(b"tokenizer")
+    (src / "pytorch_model.bin").write_bytes(b"old weights")
+    run(src, tmp_path / "out")
+    assert (tmp_path / "out" / "tiktoken.model").read_bytes() == b"tokenizer"
+    assert not (tmp_path / "out" / "pytorch_model.bin").exists()
+
+
 def test_a_deleted_output_shard_is_rewritten(src: Path, tmp_path: Path) -> None:
     first = run(src, tmp_path / "out")
     victim = tmp_path / "out" / sorted(first["shards"])[1]
