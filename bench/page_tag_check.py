@@ -143,7 +143,7 @@ def main() -> int:
         "benchmark": "page_tag_check",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
-        "driver": torch.version.cuda,
+        "cuda_runtime": torch.version.cuda,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "command": " ".join(["python", *sys.argv]),

@@ -1,11 +1,12 @@
 """Per-page generation tags for the KV cache, and per-request expectations beside the page table.
 
-The tag of a physical page is bumped on every allocation and every free, so an allocated page
-has an odd tag and a free page an even one (31-bit counters, compared for equality only, so
-wrap-around is harmless). When a request's page-table row gets a page, the tracker records the
-(page, tag) pair at that page position. ``verify`` then flags every request whose row no longer
-matches what it was handed, whose pages were freed or re-allocated since, or which was handed a
-page that was already in use (see ``tessera.kernels.page_tag_check``).
+The tag of a physical page changes on every allocation (+1) and every free (to the next even
+value), so an allocated page has an odd tag and a free page an even one (31-bit counters,
+compared for equality only, so wrap-around is harmless). When a request's page-table row gets
+a page, the tracker records the (page, tag) pair at that page position. ``verify`` then flags
+every request whose row no longer matches what it was handed, whose pages were freed or
+re-allocated since, or which was handed a page that was already in use (the check itself:
+``tessera.kernels.page_tag_check``).
 
 Everything here is asynchronous tensor work on the pool's device: no host synchronisation
 except in ``verify``, whose per-request answer the scheduler needs on the host anyway.
@@ -79,27 +80,29 @@ class PageTagTracker:
         """Token slots just handed out: every slot at offset 0 of a page starts a fresh page.
 
         (A paged allocator only hands out the first slot of a page together with the page.)
-        A page handed out twice without a free in between ends with an even tag, which no
-        valid expectation has, so both holders fail the check.
+        The tag moves up by one per hand-out, so a page handed out while in use (or twice in
+        one call) ends with an even tag, which no valid expectation has: its holders fail.
         """
         slots = token_slots.to(device=self.device, dtype=torch.int64).reshape(-1)
-        first = (slots % self.page_size == 0).to(torch.int32)
-        self._bump(slots // self.page_size, first)
+        if slots.numel() == 0:
+            return
+        pages = slots // self.page_size
+        self.tags.index_add_(0, pages, (slots % self.page_size == 0).to(torch.int32))
+        self.tags[pages] = self.tags[pages] & TAG_MASK
 
     def on_free(self, pages: torch.Tensor) -> None:
-        """Page ids just returned to the free list."""
+        """Page ids just returned to the free list: each moves to its next even tag.
+
+        Always even after a free, whatever came before, so a page that was handed out twice
+        starts clean once it is back in the free list.
+        """
         pages = pages.to(device=self.device, dtype=torch.int64).reshape(-1)
-        self._bump(pages, torch.ones_like(pages, dtype=torch.int32))
+        if pages.numel():
+            self.tags[pages] = ((self.tags[pages] + 2) & ~1) & TAG_MASK
 
     def on_clear(self) -> None:
         """The allocator was reset: every page is free again."""
         self.tags.add_(self.tags & 1).bitwise_and_(TAG_MASK)
-
-    def _bump(self, pages: torch.Tensor, by: torch.Tensor) -> None:
-        if pages.numel() == 0:
-            return
-        self.tags.index_add_(0, pages, by)
-        self.tags[pages] = self.tags[pages] & TAG_MASK
 
     # -- request expectations --------------------------------------------------------------
 
