@@ -49,6 +49,7 @@ HEARTBEAT_SECONDS = 15.0  # repeat the progress lines this often even when nothi
 PVC_SCHEME = "pvc://"
 SIMULATED_VOLUME_PREFIX = "tessera-demo-"
 SIMULATED_VOLUME_SIZE = "2Ti"
+CLAIM_BOUND_TIMEOUT_S = 60
 OPERATOR_START_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -242,6 +243,11 @@ def apply_examples(cluster: DevCluster, files: list[Path]) -> None:
             objects = {"apiVersion": "v1", "kind": "List",
                        "items": simulated_volume(claim, DEMO_NAMESPACE)}
             cluster.kubectl("apply", "-f", "-", input=objects)
+            # Bound before any pod asks for it: a pod the scheduler finds with an unbound claim
+            # may wait for its periodic retry (minutes) instead of the binding event.
+            cluster.kubectl("wait", "-n", DEMO_NAMESPACE, f"pvc/{claim}",
+                            "--for=jsonpath={.status.phase}=Bound",
+                            f"--timeout={CLAIM_BOUND_TIMEOUT_S}s")
             say(f"{f.relative_to(ROOT)} reads weights from the claim {claim!r}: applied it, "
                 "bound to a simulated volume (nothing is downloaded or mounted here)")
     args = [arg for f in files for arg in ("-f", str(f))]
