@@ -37,12 +37,14 @@ class Module(StrEnum):
     DENSE_MLP = "denseMLP"
     SHARED_EXPERTS = "sharedExperts"
     ROUTED_EXPERTS = "routedExperts"
-    # Never quantized: RMSNorm weights and the MoE router (gate) matrix.
+    # Never quantized: RMSNorm weights, the MoE router (gate) matrix, and the MTP layer's
+    # eh_proj (SGLang builds it as a plain nn.Linear; DeepSeek V3's FP8 release stores it BF16).
     NORM = "norm"
     ROUTER = "router"
+    MTP_PROJECTION = "mtpProjection"
 
 
-QUANTIZABLE = frozenset(Module) - {Module.NORM, Module.ROUTER}
+QUANTIZABLE = frozenset(Module) - {Module.NORM, Module.ROUTER, Module.MTP_PROJECTION}
 
 # What each dtype quantizes unless the spec says otherwise. FP8: every linear layer, as in
 # DeepSeek V3's released FP8 checkpoint (embeddings and lm_head stay BF16). INT4: only the
@@ -137,7 +139,7 @@ def model_tensors(arch: Architecture, with_mtp: bool = False) -> list[Tensor]:
         # (h x 2h), enorm / hnorm / shared-head norm, and copies of the embedding and output
         # head that the checkpoint stores again (671B main + 14B MTP = 685B on disk).
         out += _decoder_layers(arch, n, 0)
-        out += [Tensor(Module.ATTENTION, h, 2 * h, n, Shard.REPLICATED),
+        out += [Tensor(Module.MTP_PROJECTION, h, 2 * h, n, Shard.REPLICATED),
                 Tensor(Module.NORM, 1, h, 3 * n, Shard.REPLICATED),
                 Tensor(Module.EMBEDDING, arch.vocab_size, h, n, Shard.VOCAB),
                 Tensor(Module.LM_HEAD, arch.vocab_size, h, n, Shard.TP)]
