@@ -122,7 +122,13 @@ def moe_inputs(experts, hidden, inter, top_k, group, tokens, int4=True):
 
 
 def warm_up(workers: int) -> None:
-    jobs = [("gemm", *j) for j in gemm_configs()] + [("moe", *j) for j in moe_configs()]
+    jobs, seen = [], set()
+    for n, k, group, sym, m, cfg in gemm_configs():
+        key = (group, sym, n % cfg.block_n == 0, k % cfg.block_k == 0, cfg)  # what is compiled
+        if key not in seen:
+            seen.add(key)
+            jobs.append(("gemm", n, k, group, sym, m, cfg))
+    jobs += [("moe", *j) for j in moe_configs()]
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:

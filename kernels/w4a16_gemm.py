@@ -320,14 +320,29 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 
 
+_FLUSH: dict[torch.device, torch.Tensor] = {}
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer twice the size of the GPU's L2 cache: zeroing it evicts the weights."""
+    if device not in _FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+        _FLUSH[device] = torch.empty(2 * max(l2, 8 << 20), dtype=torch.uint8, device=device)
+    return _FLUSH[device]
+
+
 def _graph_time(fn: Callable[[], object], calls: int = 8, replays: int = 5) -> float:
-    """Median time of ``fn`` from CUDA-graph replays. Eager timing of these short calls would
-    measure Python launch overhead, not the GPU (seen on the H200: tile choices became noise)."""
+    """Median time of ``fn`` from CUDA-graph replays, each call after an L2 flush (a memset, the
+    same for every candidate), so weights stream from HBM as in decode. Eager timing of these
+    short calls would measure Python launch overhead, not the GPU (seen on the H200: tile
+    choices became noise)."""
+    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     fn()  # compile and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
+            flush.zero_()
             fn()
     graph.replay()
     times = []
