@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,12 @@ def template(cluster: Any, namespace: str, *sets: str) -> str:
     for s in sets:
         args += ["--set", s]
     return helm(cluster, *args).stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def server_dry_run(cluster: Any, manifests: str) -> subprocess.CompletedProcess[str]:
@@ -125,12 +133,14 @@ class LocalOperator:
         # Only this kubeconfig: no admin credentials reach the operator.
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": self.identity}
         self.offset = self.log.stat().st_size if self.log.exists() else 0
+        # The installed Deployment's own command line; each local replica gets a free metrics
+        # port, as each pod has its own address.
+        self.metrics_port = free_port()
+        args = [f"--metrics-port={self.metrics_port}" if a.startswith("--metrics-port=") else a
+                for a in inst.operator_argv()]
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tessera", "operator", "run",
-                 f"--leader-election={inst.namespace}/{RELEASE}",
-                 f"--resync-seconds={RESYNC_S}", *self.extra],
-                env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", *args, *self.extra],
+                                         env=env, stdout=out, stderr=subprocess.STDOUT)
         if wait:
             self.wait_started()
 
@@ -173,6 +183,13 @@ class Installed:
         op.start(wait)
         return op
 
+    def operator_argv(self) -> list[str]:
+        """`tessera operator run ...` exactly as the chart's Deployment runs it."""
+        deployment = json.loads(self.cluster.kubectl(
+            "get", "deployment", RELEASE, "-n", self.namespace, "-o", "json").stdout)
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return [*container["command"], *container["args"]]
+
     def lease_holder(self) -> str:
         return str(self.cluster.kubectl("get", "lease", RELEASE, "-n", self.namespace, "-o",
                                         "jsonpath={.spec.holderIdentity}").stdout)
@@ -186,7 +203,8 @@ class Installed:
 def installed(cluster: Any) -> Iterator[Installed]:
     release_ns = f"tessera-chart-e2e-{os.getpid()}"
     helm(cluster, "install", RELEASE, str(CHART), "--namespace", release_ns,
-         "--create-namespace", "--set", "replicaCount=0", "--wait", "--timeout", "2m")
+         "--create-namespace", "--set", "replicaCount=0",
+         "--set", f"operator.resyncSeconds={RESYNC_S:g}", "--wait", "--timeout", "2m")
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/modeldeployments.tessera.dev")
     installed = Installed(cluster, release_ns, Path(tempfile.mkdtemp(prefix="tessera-chart-")))
@@ -228,6 +246,15 @@ def test_operator_as_the_charts_service_account_reconciles_an_example(
     refused = [(e["verb"], e.get("objectRef"), e["responseStatus"].get("code"))
                for e in requests if e["responseStatus"].get("code") == 403]
     assert not refused, f"the chart's RBAC refused the operator: {refused}"
+    # The metrics the chart's Service scrapes, from the replica that did the work.
+    leader = installed.operators[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{leader.metrics_port}/metrics",
+                                timeout=10) as response:
+        metrics = response.read().decode()
+    applies = [line for line in metrics.splitlines()
+               if line.startswith('tessera_operator_writes_total{action="apply"}')]
+    assert applies and float(applies[0].split()[-1]) > 0, metrics[:2000]
+
     # The ServiceAccount cannot do what the operator never needs.
     for verb, resource in (("get", "secrets"), ("create", "pods"), ("delete", "nodes"),
                            ("patch", "modeldeployments.tessera.dev")):

@@ -255,10 +255,16 @@ def test_image_tag_defaults_to_app_version() -> None:
 
 # -- metrics --
 
-def test_metrics_off_by_default() -> None:
+def test_metrics_on_by_default_and_off_on_request() -> None:
     docs = render()
-    assert not by_kind(docs, "Service") and not by_kind(docs, "ServiceMonitor")
-    assert "ports" not in _container(docs)
+    (service,) = by_kind(docs, "Service")
+    assert _container(docs)["ports"] == [{"name": "metrics", "containerPort": 8080,
+                                          "protocol": "TCP"}]
+    assert _operator_args(_container(docs)).metrics_port == 8080
+    assert not by_kind(docs, "ServiceMonitor")
+    off = render("metrics.enabled=false")
+    assert not by_kind(off, "Service") and "ports" not in _container(off)
+    assert _operator_args(_container(off)).metrics_port == 0  # the operator serves nothing
 
 
 def test_metrics_service_and_service_monitor_select_the_operator_port() -> None:
@@ -270,22 +276,13 @@ def test_metrics_service_and_service_monitor_select_the_operator_port() -> None:
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9100,
                                          "targetPort": "metrics", "protocol": "TCP"}]
     assert _container(docs)["ports"][0]["containerPort"] == 9100
-    assert "--metrics-port=9100" in _container(docs)["args"]
+    assert _operator_args(_container(docs)).metrics_port == 9100
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
         "labels"].items()
 
 
 def test_service_monitor_without_metrics_is_refused() -> None:
-    result = helm("template", RELEASE, str(CHART), "--set", "metrics.serviceMonitor.enabled=true",
-                  check=False)
+    result = helm("template", RELEASE, str(CHART), "--set", "metrics.enabled=false",
+                  "--set", "metrics.serviceMonitor.enabled=true", check=False)
     assert result.returncode != 0 and "needs metrics.enabled=true" in result.stderr
-
-
-def test_metrics_port_flag_is_accepted_by_the_operator() -> None:
-    run = build_parser()._subparsers._group_actions[0].choices["operator"]  # type: ignore
-    flags = run._subparsers._group_actions[0].choices["run"]._option_string_actions
-    if "--metrics-port" not in flags:
-        pytest.skip("`tessera operator run` has no --metrics-port yet; metrics.enabled stays "
-                    "false by default until it does")
-    _operator_args(_container(render("metrics.enabled=true")))
