@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,6 +79,10 @@ class Paths:
         return self.demo / "operator.log"
 
     @property
+    def metrics(self) -> Path:
+        return self.demo / "operator-metrics-url"
+
+    @property
     def kubeconfig(self) -> Path:
         return self.demo / "operator-kubeconfig.yaml"
 
@@ -133,7 +138,8 @@ def install_chart(cluster: DevCluster) -> None:
         str(cluster.binaries.helm), "upgrade", "--install", RELEASE, str(CHART),
         "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
         # No image can run here: the Deployment stays at 0 replicas (see the module docstring).
-        "--set", "replicaCount=0", "--wait", "--timeout", "2m"], "helm upgrade --install")
+        "--set", "replicaCount=0", "--set", f"operator.resyncSeconds={RESYNC_SECONDS}",
+        "--wait", "--timeout", "2m"], "helm upgrade --install")
     say(out.strip().splitlines()[0] if out.strip() else "helm: done")
     say(f"The chart's Deployment {OPERATOR_NAMESPACE}/{RELEASE} is installed with 0 replicas: "
         "no container image can be pulled or run on this machine (the simulated H200 nodes "
@@ -187,14 +193,17 @@ def start_operator(cluster: DevCluster, paths: Paths) -> None:
     paths.kubeconfig.write_text(yaml.safe_dump(service_account_kubeconfig(cluster, token)))
     env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig), "POD_NAME": LOCAL_IDENTITY}
     offset = paths.log.stat().st_size if paths.log.exists() else 0
+    # The chart's own command line, with a free port for metrics (8080 may be taken here).
+    port = free_port()
+    argv = [f"--metrics-port={port}" if arg.startswith("--metrics-port=") else arg
+            for arg in chart_operator_argv(cluster)]
     with paths.log.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tessera", "operator", "run",
-             f"--leader-election={OPERATOR_NAMESPACE}/{RELEASE}",
-             f"--resync-seconds={RESYNC_SECONDS}"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True)  # outlives this command; `tessera demo down` stops it
     paths.pid.write_text(f"{proc.pid}\n")
+    paths.metrics.write_text(f"http://127.0.0.1:{port}/metrics\n")
     deadline = time.monotonic() + OPERATOR_START_S
     while "operator started" not in paths.log.read_bytes()[offset:].decode(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -203,6 +212,21 @@ def start_operator(cluster: DevCluster, paths: Paths) -> None:
         time.sleep(0.5)
     say(f"operator running as pid {proc.pid}, user system:serviceaccount:{OPERATOR_NAMESPACE}:"
         f"{RELEASE}, Lease holder {lease_holder(cluster)!r}; log {paths.log}")
+    say(f"command line (the chart's): tessera {' '.join(argv[1:])}")
+
+
+def chart_operator_argv(cluster: DevCluster) -> list[str]:
+    """`tessera operator run ...` exactly as the installed chart's Deployment runs it."""
+    deployment = json.loads(cluster.kubectl("get", "deployment", RELEASE, "-n",
+                                            OPERATOR_NAMESPACE, "-o", "json").stdout)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return [*container["command"], *container["args"]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # -- the examples --
@@ -338,6 +362,8 @@ def up(args: argparse.Namespace) -> int:
     say(f'Use the cluster:  eval "$(tessera dev-cluster{where} env)"; '
         f"kubectl get md -n {DEMO_NAMESPACE}")
     say(f"Operator log:     {paths.log}")
+    if paths.metrics.exists():
+        say(f"Its metrics:      curl {paths.metrics.read_text().strip()}")
     say("Clean up:         tessera demo down" + (
         f" --state-dir {args.state_dir}" if args.state_dir else ""))
     if not ok:
