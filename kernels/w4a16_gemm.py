@@ -104,6 +104,52 @@ def _plane_scaled(words, i: tl.constexpr, neg_zero, scale, FAST: tl.constexpr):
 
 
 @triton.jit
+def _load_groups(
+    s_ptr, z_ptr, step, offs_r, offs_n, n_mask, row_end, stride_sk,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """Scales (as stored) and bf16 ``-(128 + zero)`` of K step ``step``: ``[1, BN]`` when one group
+    spans the step, else ``[R, BN]`` (one row per word row)."""
+    R: tl.constexpr = BLOCK_K // 8
+    one_group: tl.constexpr = GROUP % BLOCK_K == 0
+    rows = step * R + offs_r
+    if one_group:
+        g_off = (step * BLOCK_K // GROUP) * stride_sk + offs_n[None, :]
+    else:
+        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+    if EVEN_N and (one_group or EVEN_K):
+        scale = tl.load(s_ptr + g_off)
+    else:
+        g_mask = n_mask[None, :] if one_group else (rows < row_end)[:, None] & n_mask[None, :]
+        scale = tl.load(s_ptr + g_off, mask=g_mask, other=0.0)
+    if HAS_ZEROS:
+        if EVEN_N and (one_group or EVEN_K):
+            zero = tl.load(z_ptr + g_off).to(tl.float32)
+        else:
+            zero = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
+        neg_zero = (-128.0 - zero).to(tl.bfloat16)
+    else:
+        neg_zero = tl.full(scale.shape, -136.0, tl.bfloat16)
+    return scale, neg_zero
+
+
+@triton.jit
+def _planes(x):
+    """``x [BM, R, 8]`` -> its eight ``[BM, R]`` slices ``x[:, :, i]`` (register moves only)."""
+    BM: tl.constexpr = x.shape[0]
+    R: tl.constexpr = x.shape[1]
+    e, o = tl.split(tl.reshape(x, (BM, R, 4, 2)))  # i even, odd
+    e0, e1 = tl.split(tl.reshape(e, (BM, R, 2, 2)))  # i = 0, 4 | 2, 6
+    o0, o1 = tl.split(tl.reshape(o, (BM, R, 2, 2)))  # i = 1, 5 | 3, 7
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _w4a16_accumulate(
     acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
     K, stride_qk, stride_sk, step_begin, step_end,
@@ -114,18 +160,27 @@ def _w4a16_accumulate(
     ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element.
 
     Per step of ``BLOCK_K = 8 R`` inputs: one ``[R, BN]`` tile of words, and for each nibble plane
-    ``i`` a ``[BM, R] x [R, BN]`` dot with the strided activations ``x[:, i::8]``. With one group
+    ``i`` a ``[BM, R] x [R, BN]`` dot with the strided activations ``x[:, i::8]`` (loaded as one
+    contiguous ``[BM, R, 8]`` tile, which Triton pipelines, and split in registers). With one group
     per step the weights go into the dot as ``128 + code`` and a second dot with the constant
     ``-(128 + zero)`` removes the offset (cheaper than a subtraction per weight; exact products,
     fp32 sums); the scale then multiplies the ``[BM, BN]`` partial sum. With smaller groups each
     weight is decoded to ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode
     (GPU); the plain-Triton decode computes the same bf16 values (for the CPU interpreter).
-    Triton's software pipelining (``num_stages``) prefetches the words into shared memory.
+    Triton's software pipelining (``num_stages``) prefetches words and activations into shared
+    memory; scales and zeros are loaded one step ahead by hand.
     """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
     row_end = K // 8
     one_group: tl.constexpr = GROUP % BLOCK_K == 0
+    # scales and zeros feed no dot, so Triton's pipelining leaves them alone: load them one step
+    # ahead by hand (clamped to a real step: the last step reloads its own, harmlessly)
+    last_step = tl.cdiv(K, BLOCK_K) - 1
+    scale, neg_zero = _load_groups(
+        s_ptr, z_ptr, tl.minimum(step_begin, last_step), offs_r, offs_n, n_mask, row_end, stride_sk,
+        GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N,
+    )  # fmt: skip
     for step in range(step_begin, step_end):
         rows = step * R + offs_r
         if EVEN_K and EVEN_N:
@@ -134,45 +189,36 @@ def _w4a16_accumulate(
             w_mask = (rows < row_end)[:, None] & n_mask[None, :]
             words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=w_mask,
                             other=0)  # fmt: skip
-        if one_group:
-            g_off = (step * BLOCK_K // GROUP) * stride_sk + offs_n[None, :]
-        else:
-            g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
-        if EVEN_N and (one_group or EVEN_K):
-            scale = tl.load(s_ptr + g_off)
-        else:
-            g_mask = n_mask[None, :] if one_group else (rows < row_end)[:, None] & n_mask[None, :]
-            scale = tl.load(s_ptr + g_off, mask=g_mask, other=0.0)
-        if HAS_ZEROS:
-            if EVEN_N and (one_group or EVEN_K):
-                zero = tl.load(z_ptr + g_off).to(tl.float32)
-            else:
-                zero = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.float32)
-            neg_zero = (-128.0 - zero).to(tl.bfloat16)
-        else:
-            neg_zero = tl.full(scale.shape, -136.0, tl.bfloat16)
+        # one step ahead for the one [1, BN] row of a step-wide group; smaller groups load
+        # [R, BN] in this step (a carried copy would cost a layout change through shared memory)
+        next_scale, next_neg_zero = _load_groups(
+            s_ptr, z_ptr, tl.minimum(step + 1, last_step) if one_group else step, offs_r,
+            offs_n, n_mask, row_end, stride_sk, GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N,
+        )  # fmt: skip
+        if not one_group:
+            scale, neg_zero = next_scale, next_neg_zero
         x_k = step * BLOCK_K + offs_r * 8
+        x_ptrs = x_rows[:, :, None] + x_k[None, :, None] + tl.arange(0, 8)[None, None, :]
         if EVEN_K:
-            x_mask = m_mask[:, None]
+            x_mask = m_mask[:, None, None]
         else:
-            x_mask = m_mask[:, None] & (x_k < K)[None, :]
-        x_step = x_rows + x_k[None, :]
+            x_mask = m_mask[:, None, None] & (x_k < K)[None, :, None]
+        xs = _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
         if one_group:
             offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
             part = tl.zeros(acc.shape, dtype=tl.float32)
             for i in tl.static_range(8):
-                x_i = tl.load(x_step + i, mask=x_mask, other=0.0)
-                part = tl.dot(x_i, _plane_raw(words, i, FAST), part)
-                part = tl.dot(x_i, offset, part)
+                part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
+                part = tl.dot(xs[i], offset, part)
             acc += part * scale.to(tl.float32)
         else:
             for i in tl.static_range(8):
-                x_i = tl.load(x_step + i, mask=x_mask, other=0.0)
                 if s_ptr.dtype.element_ty == tl.bfloat16:
                     w = _plane_scaled(words, i, neg_zero, scale, FAST)
                 else:  # fp16 scales: keep them exact (fp32 maths), no packed bf16 scale
                     w = _plane_scaled(words, i, neg_zero, scale, False)
-                acc = tl.dot(x_i, w, acc)
+                acc = tl.dot(xs[i], w, acc)
+        scale, neg_zero = next_scale, next_neg_zero
     return acc
 
 
