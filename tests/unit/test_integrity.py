@@ -19,7 +19,7 @@ from tessera.runtime.integrity import (
     build_event,
 )
 from tessera.runtime.integrity.reporter import Burst
-from tessera.runtime.integrity.sglang_adapter import mismatch_message, record_write
+from tessera.runtime.integrity.sglang_adapter import mismatch_message, record_extend, record_write
 
 PS = 4
 
@@ -194,3 +194,22 @@ def test_close_posts_what_is_pending_and_post_failures_are_contained() -> None:
     assert [e["count"] for e in calls] == [1, 1] and "aborted 4" in calls[1]["message"]
     with pytest.raises(ValueError, match="min_interval_s"):
         MismatchReporter(POD, "kimi", failing, min_interval_s=0)
+
+
+def test_extend_batch_records_what_row_writes_would() -> None:
+    """record_extend (SGLang's batched extend writer) == the per-request writes it replaces."""
+    shape = TrackerShape(num_pages=16, page_size=PS, req_slots=4, max_pages_per_req=4)
+    by_batch, by_rows = PageTagTracker(shape), PageTagTracker(shape)
+    prefix = [torch.arange(1 * PS, 2 * PS), torch.arange(0)]  # row 2 reuses page 1 from the cache
+    out = torch.cat([torch.arange(5 * PS, 5 * PS + 3), torch.arange(7 * PS, 8 * PS + 2)])
+    rows, prefix_lens, seq_lens = torch.tensor([2, 3]), torch.tensor([PS, 0]), torch.tensor([7, 6])
+    for t in (by_batch, by_rows):
+        t.on_alloc(torch.cat([prefix[0], out]))
+    record_extend(by_batch, rows, prefix_lens, seq_lens, prefix, out)
+    record_write(by_rows, (2, slice(0, PS)), prefix[0])
+    record_write(by_rows, (2, slice(PS, 7)), out[:3])
+    record_write(by_rows, (3, slice(0, 6)), out[3:])
+    assert torch.equal(by_batch.expected_pages[:-1], by_rows.expected_pages[:-1])
+    assert torch.equal(by_batch.expected_tags[:-1], by_rows.expected_tags[:-1])
+    assert by_batch.expected_pages[2, :2].tolist() == [1, 5]
+    assert by_batch.expected_pages[3, :2].tolist() == [7, 8]
