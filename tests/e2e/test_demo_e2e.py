@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ def test_demo_up_is_idempotent_and_down_cleans_up(tmp_path: Path) -> None:
         assert "installed with 0 replicas" in out
         pid = int((state / "demo" / "operator.pid").read_text())
         assert Path(f"/proc/{pid}").exists()
+        assert "command line (the chart's): tessera operator run --leader-election=" in out
+        url = (state / "demo" / "operator-metrics-url").read_text().strip()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert 'tessera_operator_reconciles_total{result="ok"}' in response.read().decode()
 
         second = demo(state, "up", "--timeout", "60")
         assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
