@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
-from .w4a16_gemm import _w4a16_accumulate, interpreted, tune_cached
+from .w4a16_gemm import _planes, _w4a16_accumulate, interpreted, tune_cached
 
 __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", "moe_gemm"]
 
@@ -32,20 +32,22 @@ def _bf16_accumulate(
     acc, x_rows, m_mask, w_ptr, offs_n, n_mask, K, stride_wk, step_begin, step_end,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The bf16 twin of ``_w4a16_accumulate``: same K steps, same eight strided dots."""
+    """The bf16 twin of ``_w4a16_accumulate``: same K steps, same activation tile split into the
+    same eight strided planes, same dots."""
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
     for step in range(step_begin, step_end):
         k_rows = step * BLOCK_K + offs_r * 8
-        x_step = x_rows + k_rows[None, :]
+        x_ptrs = x_rows[:, :, None] + k_rows[None, :, None] + tl.arange(0, 8)[None, None, :]
+        x_mask = m_mask[:, None, None] & (k_rows < K)[None, :, None]
+        xs = _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
         for i in tl.static_range(8):
             k_mask = (k_rows + i) < K
             w = tl.load(
                 w_ptr + (k_rows + i)[:, None] * stride_wk + offs_n[None, :],
                 mask=k_mask[:, None] & n_mask[None, :], other=0.0,
             )  # fmt: skip
-            x = tl.load(x_step + i, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(xs[i], w, acc)
     return acc
 
 
