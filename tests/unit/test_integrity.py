@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from tessera.runtime.config import ENV_CONFIG, IntegrityConfig, ModelConfig, RuntimeConfig
 from tessera.runtime.integrity import (
     IntegrityMetrics,
     MismatchReporter,
@@ -20,6 +23,7 @@ from tessera.runtime.integrity import (
 )
 from tessera.runtime.integrity.reporter import Burst
 from tessera.runtime.integrity.sglang_adapter import mismatch_message, record_extend, record_write
+from tessera.runtime.integrity.sglang_plugin import register, tracker_wanted
 
 PS = 4
 
@@ -213,3 +217,42 @@ def test_extend_batch_records_what_row_writes_would() -> None:
     assert torch.equal(by_batch.expected_tags[:-1], by_rows.expected_tags[:-1])
     assert by_batch.expected_pages[2, :2].tolist() == [1, 5]
     assert by_batch.expected_pages[3, :2].tolist() == [7, 8]
+
+
+# -- the SGLang plugin's decision ------------------------------------------------------------
+
+
+def runtime_config(phase: str, enabled: bool) -> RuntimeConfig:
+    return RuntimeConfig(
+        deployment="kimi",
+        namespace="llm",
+        phase=phase,
+        model=ModelConfig(name="moonshotai/Kimi-K2", path="/models/kimi", context_length=8192),
+        integrity=IntegrityConfig(enabled=enabled),
+    )
+
+
+@pytest.mark.parametrize(
+    "phase,enabled,wanted",
+    [
+        ("decode", True, True),
+        ("single", True, True),
+        ("prefill", True, False),
+        ("decode", False, False),
+    ],
+)
+def test_tracker_runs_where_decode_runs_and_only_when_enabled(
+    phase: str, enabled: bool, wanted: bool
+) -> None:
+    assert tracker_wanted(runtime_config(phase, enabled)) is wanted
+
+
+def test_plugin_installs_nothing_when_off(tmp_path: Path) -> None:
+    config = tmp_path / "runtime.json"
+    config.write_text(runtime_config("decode", enabled=False).to_json())
+    register(env={})  # SGLang run without tessera
+    register(env={ENV_CONFIG: str(config)})
+    config.write_text(runtime_config("prefill", enabled=True).to_json())
+    register(env={ENV_CONFIG: str(config)})
+    scheduler = sys.modules.get("sglang.srt.managers.scheduler")  # nothing was patched
+    assert scheduler is None or scheduler.Scheduler.__init__.__name__ != "init_with_integrity"
