@@ -167,6 +167,7 @@ def kubernetes_poster(api_client: Any | None = None) -> Callable[[dict[str, Any]
     core = client.CoreV1Api(api_client)
 
     def post(event: dict[str, Any]) -> None:
-        core.create_namespaced_event(event["metadata"]["namespace"], event)
+        body: Any = event  # the client sends a plain dict as it is; no model class needed
+        core.create_namespaced_event(event["metadata"]["namespace"], body)
 
     return post
