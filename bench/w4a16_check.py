@@ -94,11 +94,11 @@ def _compile_job(job: tuple) -> str:
         w = weight(n, k, group, sym)
         _run(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16), w, cfg)
     else:
-        _, int4, cfg = job
-        _, hidden, inter, top_k, group = MOE
+        _, int4, cfg, (_, hidden, inter, top_k, group) = job
         x, w13, w2, wts, ids = moe_inputs(16, hidden, inter, top_k, group, 4, int4)
         fused_moe(x, w13, w2, wts, ids, configs=(cfg, cfg))
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return f"{job[0]} {job[1:]}: {time.time() - t0:.1f}s"
 
 
@@ -128,7 +128,7 @@ def warm_up(workers: int) -> None:
         if key not in seen:
             seen.add(key)
             jobs.append(("gemm", n, k, group, sym, m, cfg))
-    jobs += [("moe", *j) for j in moe_configs()]
+    jobs += [("moe", *j, MOE) for j in moe_configs()]
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
@@ -210,14 +210,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--no-warm-up", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    ap.add_argument("--warm-up-only", action="store_true")
     args = ap.parse_args()
     if args.smoke:
         global BENCH_GEMM, BENCH_M, EXTRA_GEMM, MOE, MOE_TOKENS
         BENCH_GEMM, BENCH_M = [(64, 256, 128)], (1, 17)
         EXTRA_GEMM = [(40, 256, 32, False, (3,)), (72, 160, 32, True, (2,))]
         MOE, MOE_TOKENS = (6, 256, 64, 2, 32), (1, 3)
-    elif not args.no_warm_up:
+    if not args.no_warm_up:
         warm_up(args.workers)
+    if args.warm_up_only:
+        return
     torch.manual_seed(1)
     rows = check_gemm() + check_moe()
     args.out.mkdir(parents=True, exist_ok=True)
