@@ -34,7 +34,7 @@ def tracker_shape(allocator: Any, req_to_token_pool: Any) -> TrackerShape:
     page_size = int(allocator.page_size)
     rows, max_context_len = req_to_token_pool.req_to_token.shape
     return TrackerShape(
-        num_pages=int(allocator.num_pages),
+        num_pages=int(allocator.size) // page_size,
         page_size=page_size,
         req_slots=int(rows),
         max_pages_per_req=-(-int(max_context_len) // page_size),
@@ -55,7 +55,11 @@ def _wrap(obj: Any, name: str, after: Callable[..., None]) -> None:
 
 
 def install_allocator_hooks(allocator: Any, tracker: PageTagTracker) -> None:
-    """Every page handed out or given back by this allocator moves its tag."""
+    """Every page handed out or given back by this allocator moves its tag.
+
+    Paged allocators end every free path in ``_release_page_ids``; the page-size-1
+    ``TokenToKVPoolAllocator`` frees in ``free`` itself (inside a free group only at its end).
+    """
 
     def allocated(out: torch.Tensor | None, *args: Any, **kwargs: Any) -> None:
         if out is not None:  # None: the pool was short and nothing was handed out
@@ -65,9 +69,16 @@ def install_allocator_hooks(allocator: Any, tracker: PageTagTracker) -> None:
         for pages in page_ids:
             tracker.on_free(pages)
 
+    def freed(_: None, free_index: torch.Tensor) -> None:
+        if allocator.free_group is None:  # else held back until free_group_end frees it
+            tracker.on_free(free_index)
+
     for name in ("alloc", "alloc_extend", "alloc_decode"):
         _wrap(allocator, name, allocated)
-    _wrap(allocator, "_release_page_ids", released)
+    if hasattr(allocator, "_release_page_ids"):
+        _wrap(allocator, "_release_page_ids", released)
+    else:
+        _wrap(allocator, "free", freed)
     _wrap(allocator, "clear", lambda *_: tracker.on_clear())
 
 

@@ -404,3 +404,31 @@ def test_tags_wrap_around_and_keep_parity() -> None:
     wrapped = int((w.tracker.tags < TAG_MASK - 3).sum())
     assert wrapped >= 2  # the pages that went round are back at small even tags
     assert not bool((w.tracker.tags & 1).any())
+
+
+def test_page_size_one_allocator() -> None:
+    """SGLang's TokenToKVPoolAllocator (page size 1) frees in free() and in free groups."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    allocator = TokenToKVPoolAllocator(
+        size=32, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+    )
+    pool = ReqToTokenPool(size=2, max_context_len=8, device="cpu", enable_memory_saver=False)
+    tracker = PageTagTracker(tracker_shape(allocator, pool))
+    install_allocator_hooks(allocator, tracker)
+    install_page_table_hooks(pool, tracker)
+    rows, seq_lens = torch.tensor([1, 2]), torch.tensor([3, 3])
+    for row in (1, 2):
+        pool.write((row, slice(0, 3)), allocator.alloc(3).to(torch.int32))
+
+    def flagged() -> list[int]:
+        return tracker.verify(pool.req_to_token, rows, seq_lens).tolist()
+
+    assert flagged() == [0, 0]
+    allocator.free_group_begin()
+    allocator.free(pool.req_to_token[2, 1:2].long())
+    assert flagged() == [0, 0]  # held in the group, not free yet
+    allocator.free_group_end()
+    assert flagged() == [0, 1]
+    allocator.free(pool.req_to_token[1, :1].long())
+    assert flagged() == [1, 1]
