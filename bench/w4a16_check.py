@@ -68,12 +68,16 @@ def gemm_configs() -> list[tuple]:
     for n, k, group, sym, ms in EXTRA_GEMM:
         for m in ms:
             jobs.append((n, k, group, sym, m, _candidates(m, n, k)[1]))
-    # the plain-Triton decode, for comparison with the PTX decode of the same tile
-    n, k, group = BENCH_GEMM[0]
-    jobs.append((n, k, group, True, 1, GemmConfig(block_n=256, split_k=4, fast_decode=False)))
-    n, k, group, sym, ms = EXTRA_GEMM[1]
-    jobs.append((n, k, group, sym, ms[0], GemmConfig(block_n=128, fast_decode=False)))
-    jobs.append((n, k, group, sym, ms[0], GemmConfig(block_n=128)))
+    # the plain-Triton decode and the PTX decode of the same unsplit tile (split-K would add
+    # the splits in any order): group 128 with zero points, and group 32
+    for n, k, group, sym, m, bn in (
+        (16384, 7168, 128, False, 1, 256),
+        (7168, 2048, 32, True, 16, 128),
+    ):
+        if BENCH_GEMM[0][0] < 1000:  # --smoke
+            n, k = 64, 256
+        for fast in (False, True):
+            jobs.append((n, k, group, sym, m, GemmConfig(block_n=bn, fast_decode=fast)))
     return jobs
 
 
