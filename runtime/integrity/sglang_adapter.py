@@ -142,16 +142,12 @@ def install_extend_writer_hook(tracker: PageTagTracker) -> None:
     from sglang.srt.mem_cache import allocation
 
     def recorded(_: None, out_cache_loc: torch.Tensor, *args: Any) -> None:
-        _, req_pool_indices_cpu, _, prefix_lens_cpu, _, seq_lens_cpu, _, _, prefix_tensors = args[
-            :9
-        ]
+        # SGLang 0.5.23's positional order after out_cache_loc: req_pool_indices (device, cpu),
+        # prefix_lens (device, cpu), seq_lens (device, cpu), extend_lens (device, cpu),
+        # prefix_tensors, req_to_token_pool.
+        rows_cpu, prefix_lens_cpu, seq_lens_cpu, prefix_tensors = args[1], args[3], args[5], args[8]
         record_extend(
-            tracker,
-            req_pool_indices_cpu,
-            prefix_lens_cpu,
-            seq_lens_cpu,
-            prefix_tensors,
-            out_cache_loc,
+            tracker, rows_cpu, prefix_lens_cpu, seq_lens_cpu, prefix_tensors, out_cache_loc
         )
 
     _wrap(allocation, "write_cache_indices", recorded)
