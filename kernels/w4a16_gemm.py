@@ -11,9 +11,12 @@ Maths of one K step of ``BLOCK_K = 8 R`` rows, for word row ``r`` and nibble ``i
 
 so each nibble plane ``i`` is one ``[BLOCK_M, R] x [R, BLOCK_N]`` tensor-core dot over the strided
 activations ``x[:, i::8]``: the packed words are loaded once, coalesced along N, and never
-reshaped. A code becomes a float without an int->float conversion (see :func:`_plane`); ``code -
-zero`` is exact in bf16. When a group spans the whole K step the scale multiplies the
-``[BLOCK_M, BLOCK_N]`` partial sum instead of every weight.
+reshaped. Two codes become a packed bf16x2 ``128 + code`` in about two instructions, without an
+int->float conversion (:func:`_plane_asm`); a second dot with ``-(128 + zero)`` removes the
+offset when a group spans the whole K step, and the scale then multiplies the
+``[BLOCK_M, BLOCK_N]`` partial sum instead of every weight. Smaller groups decode each weight to
+``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
+counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
 Split-K (fp32 atomics) gives small N enough programs to fill the GPU. For large M the launcher can
 instead dequantize to bf16 once and call cuBLAS; which path and tile to use is measured once per
