@@ -92,6 +92,12 @@ class NodeLeases(threading.Thread):
             self.renew()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class RssSampler(threading.Thread):
     """Peak resident set size of one process, from /proc."""
 
@@ -203,10 +209,14 @@ def main() -> int:
                 to_ready.append(t2 - t0)
             burst = {"apiVersion": "v1", "kind": "List",
                      "items": [tiny(f"burst-{i}") for i in range(args.burst)]}
+            load_before = os.getloadavg()[0]
+            cpu0 = cpu_seconds(op.pid)
             t0 = time.monotonic()
             cluster.kubectl("apply", "-n", "burst", "-f", "-", input=burst, timeout=300)
             t1 = wait_until("all Ready", lambda: len(watch.ready_names("burst")) == args.burst,
                             600, interval=1.0)
+            burst_cpu = cpu_seconds(op.pid) - cpu0
+            load_after = os.getloadavg()[0]
             time.sleep(2 * args.resync_seconds)  # settle: late status updates
             since = os.path.getsize(cluster.audit_log)
             time.sleep(3 * args.resync_seconds)
@@ -224,6 +234,9 @@ def main() -> int:
             "apply_to_ready_all_s": [round(x, 3) for x in to_ready],
             "burst_deployments": args.burst,
             "burst_all_ready_s": round(t1 - t0, 2),
+            "burst_operator_cpu_s": round(burst_cpu, 1),
+            # The machine is shared: the 1-minute load average says how busy it was.
+            "burst_load_average_before_after": [round(load_before, 2), round(load_after, 2)],
             "operator_peak_rss_mib": round(rss.peak_kib / 1024, 1),
             "idle_window_s": 3 * args.resync_seconds,
             "idle_writes": idle_writes,
