@@ -76,8 +76,10 @@ def _route(memo: kopf.Memo, event: kopf.RawEvent, namespace: str | None, name: s
 
 @kopf.on.event(API_GROUP, API_VERSION, c.PLURAL)
 def on_model_deployment(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
-                        name: str, **_: Any) -> None:
+                        name: str, uid: str, **_: Any) -> None:
     _route(memo, event, namespace, name)
+    if event["type"] == "DELETED":
+        memo.reconciler.forget(uid)
 
 
 def _on_child(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,

@@ -172,6 +172,10 @@ class Reconciler:
             self._intents[meta["uid"]] = cached
         return cached[1]
 
+    def forget(self, uid: str) -> None:
+        """Drop what is cached for a deleted deployment."""
+        self._intents.pop(uid, None)
+
     def reconcile(self, namespace: str, name: str) -> Decision | None:
         """Reconcile one deployment; if it is already being reconciled, have that run go
         round once more instead of waiting (so no worker thread blocks on another's work,
