@@ -5,6 +5,9 @@ requests through SGLang's own classes, and injects the four faults: use-after-fr
 allocation, a stale page-table row and a corrupted tag. A model of the workload knows which
 requests each fault touched; every check must flag exactly those (100% detection, no false
 positives), and the flagged requests are aborted like the scheduler does.
+
+CI runs 1e5 per-request operations (TESSERA_INTEGRITY_OPS overrides that for a quick local run);
+`pytest -m slow` runs 1e6.
 """
 
 from __future__ import annotations
