@@ -55,43 +55,6 @@ def tiny(name: str) -> dict[str, Any]:
     }
 
 
-class NodeLeases(threading.Thread):
-    """Renews a kube-node-lease Lease for every simulated node that has none (every 10 s).
-
-    Stand-in while the dev cluster starts kwok without --node-lease-duration-seconds: without
-    leases the nodes' heartbeat comes about every 55 s, the node lifecycle controller marks
-    them NotReady in between and their pods lose Ready for good.
-    """
-
-    def __init__(self, kubeconfig: Path) -> None:
-        super().__init__(daemon=True)
-        client = kubernetes.config.new_client_from_config(str(kubeconfig))
-        self.core = kubernetes.client.CoreV1Api(client)
-        self.leases = kubernetes.client.CoordinationV1Api(client)
-        self.done = threading.Event()
-
-    def renew(self) -> None:
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        for node in self.core.list_node().items:
-            name = node.metadata.name
-            body = {"metadata": {"name": name},
-                    "spec": {"holderIdentity": "tessera-bench", "leaseDurationSeconds": 40,
-                             "renewTime": stamp}}
-            try:
-                lease = self.leases.read_namespaced_lease(name, "kube-node-lease")
-            except kubernetes.client.ApiException as e:
-                if e.status != 404:
-                    raise
-                self.leases.create_namespaced_lease("kube-node-lease", body)
-                continue
-            if lease.spec.holder_identity == "tessera-bench":
-                self.leases.patch_namespaced_lease(name, "kube-node-lease", body)
-
-    def run(self) -> None:
-        while not self.done.wait(10):
-            self.renew()
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -179,9 +142,6 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
     rows: dict[str, Any] = {}
     with DevCluster.create(state, ensure_binaries(), pools, timeout=180) as cluster:
-        leases = NodeLeases(cluster.kubeconfig)
-        leases.renew()
-        leases.start()
         cluster.kubectl("apply", "-f", str(ROOT / "crds" / "modeldeployment.yaml"))
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                         "crd/modeldeployments.tessera.dev")
@@ -223,7 +183,6 @@ def main() -> int:
             idle_writes = operator_writes(cluster.audit_log, since)
             resyncs = (state / "operator.log").read_text().count("resync:")
         finally:
-            leases.done.set()
             rss.done.set()
             op.terminate()
             op.wait(timeout=30)

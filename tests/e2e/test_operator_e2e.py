@@ -8,7 +8,6 @@ filtered to the operator's user agents (its client: tessera-operator; kopf's wat
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import signal
@@ -16,14 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kubernetes
 import pytest
 from tessera.operator import constants as c
 from tessera.operator.kube import CHILD_KINDS
@@ -90,56 +87,8 @@ class Operator:
                 self.kill()
 
 
-class NodeLeases(threading.Thread):
-    """Renews a kube-node-lease Lease for every simulated node that has none.
-
-    Stand-in while the dev cluster starts kwok without --node-lease-duration-seconds: then the
-    nodes' only heartbeat is a status update about every 55 s, the node lifecycle controller
-    marks them NotReady in between and their pods lose Ready for good. Nodes whose lease kwok
-    renews are left alone.
-    """
-
-    HOLDER = "tessera-e2e"
-
-    def __init__(self, kubeconfig: Path) -> None:
-        super().__init__(daemon=True)
-        client = kubernetes.config.new_client_from_config(str(kubeconfig))
-        self.core = kubernetes.client.CoreV1Api(client)
-        self.leases = kubernetes.client.CoordinationV1Api(client)
-        self.done = threading.Event()
-
-    def renew(self) -> None:
-        now = datetime.datetime.now(datetime.UTC)
-        for node in self.core.list_node().items:
-            name = node.metadata.name
-            body = {"metadata": {"name": name, "ownerReferences": [{
-                        "apiVersion": "v1", "kind": "Node", "name": name,
-                        "uid": node.metadata.uid}]},
-                    "spec": {"holderIdentity": self.HOLDER, "leaseDurationSeconds": 40,
-                             "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
-            try:
-                lease = self.leases.read_namespaced_lease(name, "kube-node-lease")
-            except kubernetes.client.ApiException as e:
-                if e.status != 404:
-                    raise
-                self.leases.create_namespaced_lease("kube-node-lease", body)
-                continue
-            if lease.spec.holder_identity == self.HOLDER:
-                self.leases.patch_namespaced_lease(name, "kube-node-lease", body)
-
-    def run(self) -> None:
-        while not self.done.wait(10):
-            try:
-                self.renew()
-            except Exception:  # the next round retries; a test would show stale nodes anyway
-                pass
-
-
 @pytest.fixture(scope="module")
 def operator(cluster: Any) -> Iterator[Operator]:
-    leases = NodeLeases(cluster.kubeconfig)
-    leases.renew()
-    leases.start()
     cluster.kubectl("apply", "-f", str(ROOT / "crds" / "modeldeployment.yaml"))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/modeldeployments.tessera.dev")
@@ -152,7 +101,6 @@ def operator(cluster: Any) -> Iterator[Operator]:
     op.start()
     yield op
     op.stop()
-    leases.done.set()
 
 
 def operator_writes(cluster: Any, since: int, namespace: str | None = None) -> list[dict[str, Any]]:
