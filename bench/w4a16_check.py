@@ -99,7 +99,7 @@ def _compile_job(job: tuple) -> str:
         _run(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16), w, cfg)
     else:
         _, int4, cfg, (_, hidden, inter, top_k, group) = job
-        x, w13, w2, wts, ids = moe_inputs(16, hidden, inter, top_k, group, 4, int4)
+        x, w13, w2, wts, ids = moe_inputs(top_k, hidden, inter, top_k, group, 4, int4)
         fused_moe(x, w13, w2, wts, ids, configs=(cfg, cfg))
     if DEVICE == "cuda":
         torch.cuda.synchronize()
