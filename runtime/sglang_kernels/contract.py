@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.runtime.config import ENGINE_VERSION
+from tessera.runtime.preflight import installed_engine_version
 
 
 class ContractError(RuntimeError):
@@ -230,18 +231,9 @@ def contract_problems(
     return problems
 
 
-def installed_sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
-
-
 def verify(contract: Contract = PINNED, installed_version: str | None = None) -> None:
     """Raise :class:`ContractError` unless the installed SGLang matches ``contract``."""
-    found = installed_sglang_version() if installed_version is None else installed_version
+    found = installed_engine_version() if installed_version is None else installed_version
     problems = contract_problems(contract, found)
     if problems:
         raise ContractError(
