@@ -319,7 +319,9 @@ def test_random_workload_detects_every_fault_and_nothing_else() -> None:
 
 
 @pytest.mark.slow
-def test_random_workload_one_million_operations() -> None:
+def test_random_workload_one_million_operations(request: pytest.FixtureRequest) -> None:
+    if "slow" not in request.config.getoption("markexpr"):
+        pytest.skip("minutes of CPU: run it with pytest -m slow")
     totals = run_workload(min_ops=1_000_000, examples=500, steps=400)
     assert totals["ops"] >= 1_000_000
 
