@@ -9,6 +9,7 @@ The check compares names and order of parameters (not defaults: SGLang retunes t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,13 +39,29 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Seam:
+    """Source text a patch relies on in a module it does not touch (read, never imported): e.g.
+    that SGLang's Triton backend looks ``decode_attention_fwd`` up when it is built, so a patch of
+    the kernel module made before then is what it runs."""
+
+    family: str
+    module: str
+    lines: tuple[str, ...]  # each must appear, stripped, as a line of the module's source
+
+
+@dataclass(frozen=True)
 class Contract:
     version: str
     targets: tuple[Target, ...]
+    seams: tuple[Seam, ...] = ()
 
     def for_families(self, families: frozenset[str]) -> Contract:
         """The part of the contract that the patches of ``families`` rely on."""
-        return Contract(self.version, tuple(t for t in self.targets if t.family in families))
+        return Contract(
+            self.version,
+            tuple(t for t in self.targets if t.family in families),
+            tuple(s for s in self.seams if s.family in families),
+        )
 
 
 DECODE_ATTENTION_MODULE = "sglang.kernels.ops.attention.decode_attention"
@@ -88,8 +105,19 @@ DECODE_ATTENTION_FWD = Target(
     ),
 )
 
+TRITON_BACKEND_SEAM = Seam(
+    "decode_attention",
+    "sglang.srt.layers.attention.triton_backend",
+    (
+        "from sglang.kernels.ops.attention.decode_attention import (",
+        "decode_attention_fwd,",
+        "self.decode_attention_fwd = torch.compiler.disable(decode_attention_fwd)",
+    ),
+)
+
 PINNED = Contract(
     version=ENGINE_VERSION,
+    seams=(TRITON_BACKEND_SEAM,),
     targets=(
         DECODE_ATTENTION_FWD,
         Target(
@@ -211,6 +239,29 @@ def installed_params(
     return tuple(inspect.signature(obj).parameters)
 
 
+def seam_problem(seam: Seam, source: str | None) -> str | None:
+    """What the module's source lacks (None: every pinned line is there)."""
+    if source is None:
+        return f"{seam.module} is missing"
+    present = {line.strip() for line in source.splitlines()}
+    missing = [line for line in seam.lines if line not in present]
+    if not missing:
+        return None
+    return f"{seam.module} no longer has: {' | '.join(missing)}"
+
+
+def module_source(module: str) -> str | None:
+    """A module's source text, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ImportError:
+        return None
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
 def contract_problems(
     contract: Contract,
     installed_version: str | None,
@@ -226,6 +277,10 @@ def contract_problems(
         )
     for target in contract.targets:
         problem = signature_problem(target, installed_params(target, import_module))
+        if problem is not None:
+            problems.append(problem)
+    for seam in contract.seams:
+        problem = seam_problem(seam, module_source(seam.module))
         if problem is not None:
             problems.append(problem)
     return problems

@@ -128,6 +128,17 @@ def test_missing_module_or_attribute_is_reported():
     assert len(problems) == 2 and all("is missing" in p for p in problems)
 
 
+def test_a_lost_seam_fails_with_a_clear_message():
+    from tessera.runtime.sglang_kernels.contract import TRITON_BACKEND_SEAM
+
+    lines = (*TRITON_BACKEND_SEAM.lines[:2], "self.decode_attention_fwd = decode_attention_fwd")
+    contract = Contract("0.5.23", (), (dataclasses.replace(TRITON_BACKEND_SEAM, lines=lines),))
+    with pytest.raises(ContractError, match=r"triton_backend no longer has: self\.decode_att"):
+        verify(contract)
+    missing = Contract("0.5.23", (), (dataclasses.replace(TRITON_BACKEND_SEAM, module="sglang.x"),))
+    assert contract_problems(missing, "0.5.23") == ["sglang.x is missing"]
+
+
 def test_only_the_planned_families_are_checked():
     wrong = wrong_decode_contract()
     # the broken target belongs to decode attention: with that family off, nothing to check
