@@ -227,14 +227,22 @@ def _w4a16_accumulate(
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a tile
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr = False,
 ):  # fmt: skip
-    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split."""
+    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split.
+
+    Split K: without ``FUSED_REDUCE`` every split adds into an fp32 ``out`` (zeroed, then cast by
+    the caller). With it, splits add into the fp32 workspace ``ws [M, N]`` and count themselves in
+    ``cnt[tile]``; the last to arrive writes the bf16 tile and leaves workspace and counter zero
+    for the next call, so one launch does it all. The barrier and the acquire-release counter
+    order every thread's adds before the last program's reads, which bypass L1.
+    """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -251,6 +259,16 @@ def _w4a16_gemm_kernel(
     o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    elif FUSED_REDUCE:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws, acc, mask=o_mask, sem="relaxed")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws, mask=o_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(ws, tl.zeros_like(acc), mask=o_mask)
+            tl.store(cnt_ptr + pid, 0)
     else:
         tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
 
@@ -290,6 +308,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
+    fused_reduce: bool = False  # split K reduced in the same launch (see the kernel)
 
 
 _TUNED: dict[tuple, object] = {}
@@ -306,7 +325,8 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     Small M: a 16-row tile (the tensor-core minimum; M = 1 wastes rows, not weight bytes) and 64
     to 256 columns; the offline SASS count (``bench/w4a16_sass.py``) gives 4.0, 3.0 and 2.4
     instructions per weight for them. Each width runs unsplit and with the fewest K splits that
-    give every SM a program (split-K adds fp32 atomics, a zero fill and a cast).
+    give every SM a program; split K reduces through fp32 atomics, either with a zero fill and a
+    cast around the launch or inside it (``fused_reduce``).
     """
     if m > 64:
         out = [GemmConfig("triton", bm, 128, 128, 1, 8, 3) for bm in (64, 128)]
@@ -318,6 +338,8 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
         splits = sorted({1, fill}) if bn < 256 else [fill]
         out += [GemmConfig("triton", bm, bn, 128, s, 4, 4) for s in splits]
+        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4, fused_reduce=True) for s in splits
+                if s > 1]  # fmt: skip
     return out
 
 
@@ -346,27 +368,50 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
     return out
 
 
+_SPLIT_WS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, numel: int, tiles: int):
+    """The zeroed fp32 workspace and tile counters of the fused split-K reduction (the kernel
+    leaves them zero), grown outside CUDA-graph capture only. One stream at a time."""
+    ws, cnt = _SPLIT_WS.get(device, (None, None))
+    if ws is None or ws.numel() < numel or cnt.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the split-K workspace must grow while a CUDA graph is being captured: run this "
+                "shape once before capturing"
+            )
+        numel = max(numel, 0 if ws is None else ws.numel())
+        tiles = max(tiles, 0 if cnt is None else cnt.numel())
+        ws = torch.zeros(numel, dtype=torch.float32, device=device)
+        cnt = torch.zeros(tiles, dtype=torch.int32, device=device)
+        _SPLIT_WS[device] = (ws, cnt)
+    return ws, cnt
+
+
 def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
-    if cfg.split_k == 1:
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
+    fused = cfg.split_k > 1 and cfg.fused_reduce
+    if cfg.split_k == 1 or fused:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
     else:
         out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    ws, cnt = _split_workspace(x.device, m * w.n, tiles) if fused else (out, out)
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), cfg.split_k)
-    _w4a16_gemm_kernel[grid](
-        x, w.qweight, w.scales, zeros, out,
+    _w4a16_gemm_kernel[(tiles, cfg.split_k)](
+        x, w.qweight, w.scales, zeros, out, ws, cnt,
         m, w.n, w.k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, FUSED_REDUCE=fused,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
+    return out if cfg.split_k == 1 or fused else out.to(torch.bfloat16)
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}
