@@ -369,6 +369,7 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
 
 
 _SPLIT_WS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_SPLIT_WS_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _split_workspace(device: torch.device, numel: int, tiles: int):
@@ -381,6 +382,8 @@ def _split_workspace(device: torch.device, numel: int, tiles: int):
                 "the split-K workspace must grow while a CUDA graph is being captured: run this "
                 "shape once before capturing"
             )
+        if ws is not None:  # CUDA graphs captured earlier still point at the old buffers
+            _SPLIT_WS_RETIRED.append((ws, cnt))
         numel = max(numel, 0 if ws is None else ws.numel())
         tiles = max(tiles, 0 if cnt is None else cnt.numel())
         ws = torch.zeros(numel, dtype=torch.float32, device=device)
