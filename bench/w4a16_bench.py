@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
-from tessera.kernels.w4a16_gemm import w4a16_matmul
+from tessera.kernels.w4a16_gemm import _TUNED, _m_bucket, w4a16_matmul
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 
 L2_BYTES = 60 * 2**20
@@ -128,6 +128,8 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values) -> list[di
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
             "rel_l2_vs_fp32": err,
+            "tuned_config": [str(v) for key, v in _TUNED.items()
+                             if key[:4] == ("gemm", _m_bucket(m), n, k)],
         })  # fmt: skip
         print(f"gemm {name:32s} M={m:5d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
@@ -262,6 +264,8 @@ def bench_moe_shape(name, experts, hidden, inter, top_k, group, token_values, sg
             "sglang_int4_us": t_sg, "sglang_best_config": best_cfg,
             "x_vs_bf16_experts": t_bf16 / t_int4, "x_vs_sglang": t_sg / t_int4,
             "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
+            "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
+                              if key[0].startswith("moe") and key[1] == tokens},
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
