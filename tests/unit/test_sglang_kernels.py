@@ -238,3 +238,55 @@ def test_mla_form_is_the_latent_prefix_of_the_same_rows():
     assert unsupported(q, kv, kv[..., :512], o, **FLAGS) is None
     assert "MLA head dims" in unsupported(q[..., :256], kv[..., :256], kv[..., :192], o[..., :192],
                                           **FLAGS)  # fmt: skip
+
+
+def load_with_a_wrong_contract() -> None:
+    """An entry point like the real one, checked against a deliberately wrong contract."""
+    load(wrong_decode_contract())
+
+
+def register_plugin(tmp_path, monkeypatch, target: str) -> None:
+    """Make an installed distribution that declares ``target`` in SGLang's plugin group."""
+    dist = tmp_path / "tessera_plugin_probe-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tessera-plugin-probe\n"
+                                   "Version: 0.0.0\n")  # fmt: skip
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\ntessera_kernels = {target}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SGLANG_PLUGINS", "tessera_kernels")
+
+
+def test_sglangs_own_plugin_loader_runs_the_entry_point_and_stops_on_a_mismatch(
+    tmp_path, monkeypatch
+):
+    """SGLang's ``load_plugins`` swallows plugin exceptions; a contract mismatch still stops it."""
+    import sglang.srt.plugins as plugins
+
+    path = tmp_path / "runtime.json"
+    path.write_text(config(w4a16="sglang").to_json())
+    monkeypatch.setenv("TESSERA_RUNTIME_CONFIG", str(path))
+    register_plugin(tmp_path, monkeypatch, f"{__name__}:load_with_a_wrong_contract")
+    found = plugins.load_plugins_by_group(plugins.GENERAL_PLUGINS_GROUP)
+    assert set(found) == {"tessera_kernels"}
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    with pytest.raises(SystemExit, match="decode_attention_fwd"):
+        plugins.load_plugins()
+
+
+def test_sglangs_own_plugin_loader_installs_the_planned_patch(tmp_path, monkeypatch):
+    import sglang.srt.plugins as plugins
+    from sglang.kernels.ops.attention import decode_attention as module
+    from tessera.runtime.sglang_kernels import decode_attention
+
+    path = tmp_path / "runtime.json"
+    path.write_text(config(w4a16="sglang").to_json())
+    monkeypatch.setenv("TESSERA_RUNTIME_CONFIG", str(path))
+    register_plugin(tmp_path, monkeypatch, "tessera.runtime.sglang_kernels.plugin:load")
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    before = module.decode_attention_fwd
+    try:
+        plugins.load_plugins()
+        assert hasattr(module.decode_attention_fwd, decode_attention.ORIGINAL_ATTR)
+    finally:
+        decode_attention.uninstall()
+    assert module.decode_attention_fwd is before
