@@ -8,7 +8,7 @@ reference, so deleting the ModelDeployment garbage-collects all of them.
 
 One Deployment per phase means one pod per replica: tensor parallel stays inside a node
 (tensorParallel <= nodePool.gpu.perNode). A replica spanning nodes needs a leader/worker shape
-and is refused at planning time until it exists (docs/operator.md).
+and is refused by the CRD (CEL) until it exists (docs/operator.md).
 """
 
 from __future__ import annotations
