@@ -179,34 +179,34 @@ def make_routed(
 
     @functools.wraps(original)
     def decode_attention_fwd(
-        q,
-        k_buffer,
-        v_buffer,
-        o,
-        kv_indptr,
-        kv_indices,
-        attn_logits,
-        attn_lse,
-        num_kv_splits,
-        max_kv_splits,
-        sm_scale,
-        k_scale,
-        v_scale,
-        logit_cap=0.0,
-        sinks=None,
-        xai_temperature_len=-1,
-        has_mla=False,
-        use_pdl=False,
-        page_size=1,
-        score_mod=None,
-        aux_tensors=None,
-        enable_lean=None,
-        lean_Mp=None,
-        lean_Lp=None,
-        lean_Op=None,
-        lean_locks=None,
-        uneven_batch=None,
-    ):
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        o: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        attn_logits: torch.Tensor,
+        attn_lse: torch.Tensor,
+        num_kv_splits: torch.Tensor,
+        max_kv_splits: int,
+        sm_scale: float,
+        k_scale: float,
+        v_scale: float,
+        logit_cap: float = 0.0,
+        sinks: Any = None,
+        xai_temperature_len: int = -1,
+        has_mla: bool = False,
+        use_pdl: bool = False,
+        page_size: int = 1,
+        score_mod: Any = None,
+        aux_tensors: Any = None,
+        enable_lean: Any = None,
+        lean_Mp: Any = None,
+        lean_Lp: Any = None,
+        lean_Op: Any = None,
+        lean_locks: Any = None,
+        uneven_batch: Any = None,
+    ) -> None:
         reason = unsupported(
             q,
             k_buffer,
@@ -262,7 +262,7 @@ def make_routed(
 def install() -> Callable[..., None]:
     """Replace the module's ``decode_attention_fwd`` (SGLang's Triton backend imports it from the
     module when it is built, after this runs). Idempotent; returns the routed function."""
-    module = importlib.import_module(DECODE_ATTENTION_FWD.module)
+    module: Any = importlib.import_module(DECODE_ATTENTION_FWD.module)
     current = module.decode_attention_fwd
     if hasattr(current, ORIGINAL_ATTR):
         return current
@@ -272,7 +272,7 @@ def install() -> Callable[..., None]:
 
 
 def uninstall() -> None:
-    module = importlib.import_module(DECODE_ATTENTION_FWD.module)
+    module: Any = importlib.import_module(DECODE_ATTENTION_FWD.module)
     original = getattr(module.decode_attention_fwd, ORIGINAL_ATTR, None)
     if original is not None:
         module.decode_attention_fwd = original

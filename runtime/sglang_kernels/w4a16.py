@@ -226,7 +226,7 @@ def make_moe_methods(
     return process_weights_after_loading, apply_weights
 
 
-def _patch(cls: type, makers: Callable[..., tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+def _patch(cls: Any, makers: Callable[..., tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
     if hasattr(cls.apply_weights, ORIGINAL_ATTR):
         return
     originals = (cls.process_weights_after_loading, cls.apply_weights)
@@ -238,14 +238,14 @@ def _patch(cls: type, makers: Callable[..., tuple[Callable[..., Any], Callable[.
         setattr(cls, name, new)
 
 
-def _unpatch(cls: type) -> None:
+def _unpatch(cls: Any) -> None:
     for name in ("process_weights_after_loading", "apply_weights"):
         original = getattr(getattr(cls, name), ORIGINAL_ATTR, None)
         if original is not None:
             setattr(cls, name, original)
 
 
-def _classes() -> tuple[type, type]:
+def _classes() -> tuple[Any, Any]:
     linear = importlib.import_module(WNA16_MODULE).CompressedTensorsWNA16
     moe = importlib.import_module(WNA16_MOE_MODULE).CompressedTensorsWNA16MoE
     return linear, moe
