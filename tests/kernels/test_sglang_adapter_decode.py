@@ -266,3 +266,38 @@ def test_install_replaces_the_module_function_and_uninstall_restores_it():
     finally:
         adapter.uninstall()
     assert sglang_decode.decode_attention_fwd is original
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "lens", "page_size"),
+    [
+        (32, 8, 128, [4096, 1, 3000, 777] * 4, 64),  # GQA at real shapes
+        (8, 8, 128, [2048, 5, 1023], 1),  # MHA: SGLang's one-head kernel (interpreter-unsafe)
+    ],
+)
+def test_gpu_real_shapes_routed_equals_sglang(kv_dtype, heads, kv_heads, dim, lens, page_size):
+    scales = (0.05, 0.07) if kv_dtype == "fp8_e4m3" else (1.0, 1.0)
+    q, k, v, indptr, indices = gqa_inputs(kv_dtype, lens, page_size, heads, kv_heads, dim, *scales)
+    fallbacks = Fallbacks()
+    args = (q, k, v, indptr, indices, dim**-0.5, *scales, page_size)
+    ours = call(routed(fallbacks), *args, splits=8)
+    theirs = call(sglang_decode.decode_attention_fwd, *args, splits=8)
+    assert not fallbacks.counts
+    check(kv_dtype, ours, theirs, *args[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_gpu_mla_real_shapes_routed_equals_sglang(kv_dtype):
+    lens, heads, latent = [4096, 17, 1500, 64] * 8, 16, 512
+    indptr, indices, slots = sglang_table(lens, 64)
+    q = torch.randn(len(lens), heads, latent + 64, device=DEVICE).bfloat16()
+    kv = torch.randn(slots, 1, latent + 64, device=DEVICE)
+    scales = (0.05, 0.05) if kv_dtype == "fp8_e4m3" else (1.0, 1.0)
+    kv = to_fp8(kv, scales[1]) if kv_dtype == "fp8_e4m3" else kv.bfloat16()
+    args = (q, kv, kv[..., :latent], indptr, indices, (128 + 64) ** -0.5, *scales, 64)
+    ours = call(routed(Fallbacks()), *args, splits=8, has_mla=True)
+    theirs = call(sglang_decode.decode_attention_fwd, *args, splits=8, has_mla=True)
+    check(kv_dtype, ours, theirs, *args[:-1])

@@ -205,3 +205,21 @@ def test_unsupported_layers_keep_sglang_path_and_log_once():
     assert sorted(fallbacks.counts.values()) == [2, 2]
     reasons = " ".join(r for _, r in fallbacks.counts)
     assert "channel-wise" in reasons and "activation-order" in reasons
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 4096, 7168, 128), (16, 2048, 7168, 32)])
+def test_gpu_linear_tessera_equals_sglang_marlin(m, n, k, group):
+    """The same checkpoint through SGLang's own scheme (Marlin) and through the patched one."""
+    cls = linear_mod.CompressedTensorsWNA16
+    ckpt = Checkpoint(n, k, group, symmetric=True)
+    scheme = cls(strategy="group", num_bits=4, group_size=group, symmetric=True, actorder=None)
+    marlin, ours = linear_layer(scheme, ckpt, n, k, [n]), linear_layer(scheme, ckpt, n, k, [n])
+    process, apply = w4a16.make_linear_methods(cls.process_weights_after_loading, cls.apply_weights)
+    cls.process_weights_after_loading(scheme, marlin)
+    process(scheme, ours)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    ref = x.float() @ ckpt.dense().to(DEVICE).T
+    theirs, mine = cls.apply_weights(scheme, marlin, x, None), apply(scheme, ours, x, None)
+    assert rel_l2(theirs, ref) <= REL_L2 and rel_l2(mine, ref) <= REL_L2
+    assert rel_l2(mine, theirs.float()) <= REL_L2
