@@ -34,7 +34,7 @@ from tessera.devcluster import DevCluster, NodePool, ensure_binaries
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "operator_bench.json"
-CHILDREN_PER_DEPLOYMENT = 15
+CHILDREN_PER_DEPLOYMENT = 18
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
 

@@ -153,6 +153,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
     }
     pod_spec = {
         **_scheduling(spec, phase),
+        "serviceAccountName": child_name(name, c.ENGINE),
         "containers": [container],
         "volumes": [
             {"name": "config",
@@ -273,13 +274,30 @@ def router_children(md: Mapping[str, Any], config_text: str) -> list[Obj]:
     ]
 
 
+def engine_identity(md: Mapping[str, Any]) -> list[Obj]:
+    """The engine pods' ServiceAccount: it may create events in its own namespace and nothing
+    else (the KV-integrity reporter names its pod in a `KVIntegrityMismatch` event)."""
+    name, namespace = md["metadata"]["name"], md["metadata"]["namespace"]
+    ename = child_name(name, c.ENGINE)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(md, ename, c.ENGINE)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": _metadata(md, ename, c.ENGINE),
+         "rules": [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _metadata(md, ename, c.ENGINE),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ename},
+         "subjects": [{"kind": "ServiceAccount", "name": ename, "namespace": namespace}]},
+    ]
+
+
 def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[Obj]:
     """Every child of `md`, given the rendered config text of each phase and the router.
 
     Each child carries a hash of itself, so the reconciler can tell a changed desire from an
     unchanged one without a write (see apply.needs_apply).
     """
-    children: list[Obj] = []
+    children: list[Obj] = engine_identity(md)
     for phase in phases_of(md["spec"]):
         children += [config_map(md, phase, configs[phase]),
                      engine_deployment(md, phase, configs[phase]),

@@ -17,6 +17,8 @@ FIELD_MANAGER = "tessera-operator"
 PREFILL, DECODE, SINGLE = "prefill", "decode", "single"
 PHASES = (PREFILL, DECODE, SINGLE)
 ROUTER = "router"
+# The engine pods' own identity: a ServiceAccount that may only create events (KV integrity).
+ENGINE = "engine"
 
 # Labels on every child and on every pod.
 LABEL_DEPLOYMENT = f"{API_GROUP}/deployment"

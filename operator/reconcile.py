@@ -214,11 +214,9 @@ class Reconciler:
             return decision
 
     def _carry_out(self, md: Obj, decision: Decision) -> None:
-        # Applied in parallel, Deployments last: their pods need the ServiceAccount and the
-        # ConfigMaps to exist.
-        waves = ([o for o in decision.apply if o["kind"] != "Deployment"],
-                 [o for o in decision.apply if o["kind"] == "Deployment"])
-        for wave in waves:
+        # Applied in parallel, wave by wave: a RoleBinding is checked against its Role, and
+        # a Deployment's pods need their ServiceAccount and ConfigMaps.
+        for wave in _apply_waves(decision.apply):
             for applied in self._pool.map(self.kube.apply, wave):
                 self.store.put(applied)  # write-through: the next decide sees it
                 metrics.WRITES.labels("apply").inc()
@@ -248,3 +246,12 @@ class Reconciler:
                                        or decision.status_patch))
         return busy
 
+
+_LATE_KINDS = ("RoleBinding", "Deployment")
+
+
+def _apply_waves(objs: list[Obj]) -> list[list[Obj]]:
+    """Everything else first, then RoleBindings, then Deployments (empty waves dropped)."""
+    waves = [[o for o in objs if o["kind"] not in _LATE_KINDS],
+             *([o for o in objs if o["kind"] == kind] for kind in _LATE_KINDS)]
+    return [wave for wave in waves if wave]

@@ -12,6 +12,7 @@ from tessera.operator import constants as c
 from tessera.operator.children import phases_of, selector_labels
 from tessera.runtime.config import (
     FORMATS_FOR_DTYPE,
+    DisaggregationConfig,
     Discovery,
     IntegrityConfig,
     KVCacheConfig,
@@ -43,6 +44,7 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
     raw = spec[phase]
     planned = plan.phases[phase]
     weights = raw["weights"]
+    integrity = bool(spec.get("integrity", {}).get("enabled", False))
     return RuntimeConfig(
         deployment=meta["name"],
         namespace=meta["namespace"],
@@ -64,7 +66,10 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
                             planned_weights_bytes_per_gpu=planned.weights_bytes_per_gpu,
                             planned_kv_pool_bytes_per_gpu=planned.kv_pool_bytes_per_gpu),
         ports=PortsConfig(http=c.PORT_HTTP, bootstrap=c.PORT_BOOTSTRAP),
-        integrity=IntegrityConfig(enabled=bool(spec.get("integrity", {}).get("enabled", False))),
+        # The tag check guards the pool that decodes; SGLang's transfer checksum must be on
+        # both roles of a disaggregated pair.
+        integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
+        disaggregation=DisaggregationConfig(kv_checksum=integrity and phase != c.SINGLE),
     )
 
 

@@ -184,7 +184,7 @@ def apply(kubectl: Callable[..., Any], namespace: str, manifest: dict[str, Any])
 def test_example_applies_converges_and_reports(operator: Operator, kubectl: Any,
                                                namespace: str) -> None:
     kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples/01-kimi-k2/modeldeployment.yaml"))
-    poll("all 15 children", lambda: len(children(kubectl, namespace, "kimi-k2")) == 15)
+    poll("all 18 children", lambda: len(children(kubectl, namespace, "kimi-k2")) == 18)
     wait_ready(kubectl, namespace, "kimi-k2")
 
     row = kubectl("get", "md", "kimi-k2", "-n", namespace).stdout
@@ -287,9 +287,9 @@ def test_resync_with_nothing_changed_writes_nothing(operator: Operator, kubectl:
     since = audit_offset(cluster)
     apply(kubectl, namespace, tiny("quiet"))
     wait_ready(kubectl, namespace, "quiet")
-    # The counter sees the operator's writes (15 children, status, events) ...
+    # The counter sees the operator's writes (18 children, status, events) ...
     converging = operator_writes(cluster, since, namespace)
-    assert len([w for w in converging if w["verb"] == "patch"]) >= 15
+    assert len([w for w in converging if w["verb"] == "patch"]) >= 18
     # ... and, once converged, several resyncs later there are none at all (any namespace).
     time.sleep(1.0)
     log_at, since = len(operator.text()), audit_offset(cluster)
@@ -349,7 +349,7 @@ def test_runtime_mismatch_events_set_kv_integrity(operator: Operator, kubectl: A
 def test_deletion_garbage_collects_every_child(operator: Operator, kubectl: Any,
                                                namespace: str) -> None:
     apply(kubectl, namespace, tiny("gone"))
-    poll("children", lambda: len(children(kubectl, namespace, "gone")) == 15)
+    poll("children", lambda: len(children(kubectl, namespace, "gone")) == 18)
     kubectl("delete", "md", "gone", "-n", namespace)
     poll("children garbage-collected", lambda: children(kubectl, namespace, "gone") == [],
          timeout=60)
@@ -367,7 +367,7 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
     operator.start()
     wait_ready(kubectl, namespace, "crash")
     final = children(kubectl, namespace, "crash")
-    assert len(final) == 15 and len(set(final)) == 15 and set(partial) <= set(final)
+    assert len(final) == 18 and len(set(final)) == 18 and set(partial) <= set(final)
     for phase, want in (("prefill", 1), ("decode", 2), ("router", 1)):
         assert len(pod_uids(kubectl, namespace, phase)) == want, phase
     replicasets = json.loads(kubectl("get", "replicasets", "-n", namespace, "-o",

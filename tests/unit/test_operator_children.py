@@ -44,7 +44,8 @@ def test_disaggregated_children_are_the_expected_set() -> None:
                  ("Service", "{}")]
     expected = [(kind, "kimi-k2-" + pattern.format(p)) for p in ("prefill", "decode", "router")
                 for kind, pattern in per_phase]
-    expected += [(k, "kimi-k2-router") for k in ("Role", "RoleBinding", "ServiceAccount")]
+    expected += [(k, f"kimi-k2-{who}") for k in ("Role", "RoleBinding", "ServiceAccount")
+                 for who in ("router", "engine")]
     assert kinds == sorted(expected)
 
 
@@ -146,6 +147,28 @@ def test_router_discovers_each_phase_by_label() -> None:
     assert pod["serviceAccountName"] == "kimi-k2-router"
     assert pod["containers"][0]["command"] == ["tessera-runtime", "router"]
     assert "resources" not in pod["containers"][0]  # no GPU for the router
+
+
+def test_engine_pods_may_only_create_events() -> None:
+    kids = children_of(example("01-kimi-k2"))
+    assert kids[("Role", "kimi-k2-engine")]["rules"] == [
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    binding = kids[("RoleBinding", "kimi-k2-engine")]
+    assert binding["roleRef"]["name"] == "kimi-k2-engine"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kimi-k2-engine",
+                                    "namespace": "llm"}]
+    for phase in ("prefill", "decode"):
+        pod = kids[("Deployment", f"kimi-k2-{phase}")]["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "kimi-k2-engine"
+
+
+def test_integrity_tags_the_decode_pool_and_checksums_both_roles() -> None:
+    kids = children_of(example("01-kimi-k2"))
+    configs = {p: yaml.safe_load(kids[("ConfigMap", f"kimi-k2-{p}-config")]["data"]["runtime.json"])
+               for p in ("prefill", "decode")}
+    assert configs["decode"]["integrity"] == {"enabled": True}
+    assert configs["prefill"]["integrity"] == {"enabled": False}
+    assert all(cfg["disaggregation"]["kv_checksum"] for cfg in configs.values())
 
 
 def test_engine_config_carries_the_phase_precision_and_plan() -> None:

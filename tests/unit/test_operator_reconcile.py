@@ -71,7 +71,7 @@ def conditions(decision: Decision) -> dict[str, tuple[str, str]]:
 
 def test_a_new_deployment_gets_every_child_and_a_status() -> None:
     decision = decide(kimi(), {}, NOW)
-    assert len(decision.apply) == 15 and decision.prune == []
+    assert len(decision.apply) == 18 and decision.prune == []
     got = conditions(decision)
     assert got["Ready"] == ("False", "ComponentsNotReady")
     assert got["PrecisionValid"] == ("True", "PrecisionSupported")
@@ -205,6 +205,15 @@ def test_events_during_a_reconcile_coalesce_into_one_more_round() -> None:
     assert [reconciler.reconcile("llm", "kimi-k2") for _ in range(3)] == [None, None, None]
     kube.release.set()
     first.join(5)
-    # One run applied all 15 children; the coalesced second round found nothing to apply.
-    assert len(kube.applied) == 15
+    # One run applied all 18 children; the coalesced second round found nothing to apply.
+    assert len(kube.applied) == 18
     assert reconciler.reconcile("llm", "kimi-k2") == Decision([], [], None, [])
+
+
+def test_roles_are_applied_before_their_bindings_and_deployments_last() -> None:
+    from tessera.operator.reconcile import _apply_waves
+    objs = [{"kind": k} for k in ("Deployment", "RoleBinding", "Role", "ConfigMap", "RoleBinding")]
+    waves = _apply_waves(objs)
+    assert [[o["kind"] for o in w] for w in waves] == [
+        ["Role", "ConfigMap"], ["RoleBinding", "RoleBinding"], ["Deployment"]]
+    assert _apply_waves([{"kind": "ConfigMap"}]) == [[{"kind": "ConfigMap"}]]
