@@ -45,7 +45,7 @@ def plan_decode_attention(switch: str, kv_dtype: str) -> FamilyPlan:
         DECODE_ATTENTION,
         True,
         f"{kv_dtype} KV: SGLang's Triton decode attention routed to tessera's paged decode "
-        "(needs --attention-backend triton)",
+        "(needs --decode-attention-backend triton)",
     )
 
 
