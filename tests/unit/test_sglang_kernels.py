@@ -290,3 +290,47 @@ def test_sglangs_own_plugin_loader_installs_the_planned_patch(tmp_path, monkeypa
     finally:
         decode_attention.uninstall()
     assert module.decode_attention_fwd is before
+
+
+def moe_scheme_and_layer(num_bits=4, group=128, actorder=None, ep=1, **runner):
+    from compressed_tensors.quantization import QuantizationArgs
+    from sglang.srt.layers.moe import MoeRunnerConfig
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_wNa16_moe as moe_mod,
+    )
+
+    class Config:  # the one field of CompressedTensorsConfig the scheme reads
+        quant_format = "pack-quantized"
+
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=True, group_size=group,
+                            strategy="group", actorder=actorder)  # fmt: skip
+    scheme = moe_mod.CompressedTensorsWNA16MoE(Config(), args)
+    layer = torch.nn.Module()
+    layer.moe_tp_size, layer.moe_ep_size = 1, ep
+    scheme.create_weights(
+        layer, num_experts=2, hidden_size=256, intermediate_size_per_partition=128,
+        params_dtype=torch.bfloat16,
+    )  # fmt: skip
+    scheme.moe_runner_config = MoeRunnerConfig(num_experts=2, top_k=1, **runner)
+    return scheme, layer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({}, None),
+        ({"group": 32}, None),
+        ({"num_bits": 8}, "8-bit weights"),
+        ({"group": 256}, "group size 256"),
+        ({"actorder": "weight"}, "activation order"),
+        ({"ep": 8}, "expert parallelism"),
+        ({"activation": "gelu"}, "activation gelu"),
+        ({"swiglu_limit": 7.0}, "swiglu_limit"),
+        ({"apply_router_weight_on_input": True}, "router weights on the input"),
+    ],
+)
+def test_moe_layer_decisions(kwargs, reason):
+    from tessera.runtime.sglang_kernels.w4a16 import moe_unsupported
+
+    got = moe_unsupported(*moe_scheme_and_layer(**kwargs))
+    assert got is None if reason is None else reason in got
