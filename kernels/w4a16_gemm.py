@@ -336,10 +336,13 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     for bn in (64, 128, 256) if bm == 16 else (64, 128):
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
         fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
+        # measured on the H200: with about 2 programs (8 warps) per SM the loop stalls far more
+        # than it issues, so also offer enough splits for about 4 programs per SM (fused only)
+        deep = next((s for s in (2, 4, 8, 16) if tiles * s >= 4 * 132), 16)
         splits = sorted({1, fill}) if bn < 256 else [fill]
         out += [GemmConfig("triton", bm, bn, 128, s, 4, 4) for s in splits]
-        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4, fused_reduce=True) for s in splits
-                if s > 1]  # fmt: skip
+        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4, fused_reduce=True)
+                for s in sorted({*splits, deep}) if s > 1]  # fmt: skip
     return out
 
 
