@@ -44,6 +44,7 @@ from tessera.runtime.sglang_args import (
     router_argv,
     sglang_argv,
 )
+from tessera.runtime.sglang_kernels import kernel_problem
 
 log = logging.getLogger("tessera-runtime")
 
@@ -140,6 +141,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if result.problem is not None:
         raise Stop(result.problem.failure, result.summary)
     log.info(result.summary)
+    # The kernel patches run inside SGLang's processes, where a mismatch would kill a
+    # scheduler; check the pinned contract here, where it is one line and an exit code.
+    problem = kernel_problem(config)
+    if problem is not None:
+        raise Stop(Failure.ENGINE_VERSION, problem)
 
     argv = [*SGLANG_SERVER, *sglang_argv(config, node_placement(config, os.environ))]
     log.info("starting SGLang: %s", " ".join(argv))

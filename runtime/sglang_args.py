@@ -62,6 +62,10 @@ def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None) -> lis
         argv += ["--quantization", quantization]
     if model.trust_remote_code:
         argv.append("--trust-remote-code")
+    if config.kernels.decode_attention == "tessera":
+        # tessera's decode attention replaces the Triton backend's decode kernel; prefill
+        # keeps SGLang's default backend.
+        argv += ["--decode-attention-backend", "triton"]
     if config.memory.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(config.memory.mem_fraction_static)]
     if config.phase != "single":

@@ -11,6 +11,7 @@ from tessera.runtime.config import (
     ConfigError,
     DisaggregationConfig,
     Discovery,
+    KernelsConfig,
     KVCacheConfig,
     MemoryConfig,
     ModelConfig,
@@ -110,6 +111,13 @@ def test_disaggregation_extras_and_remote_code():
     assert parsed.disaggregation_ib_device == "mlx5_0,mlx5_1"
     assert parsed.disaggregation_enable_kv_checksum is True
     assert parsed.mem_fraction_static is None  # SGLang sizes it itself
+
+
+@pytest.mark.parametrize("impl, backend", [("sglang", None), ("tessera", "triton")])
+def test_tessera_decode_attention_selects_the_triton_decode_backend(impl, backend):
+    config = make_config("decode", ("int4", "compressed-tensors"), "fp8_e4m3",
+                         kernels=KernelsConfig(decode_attention=impl))
+    assert parse(sglang_argv(config)).decode_attention_backend == backend
 
 
 def test_multi_node_placement():
