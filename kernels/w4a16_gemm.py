@@ -492,15 +492,13 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
     _check(x, w)
     if x.shape[0] == 0:
         return x.new_empty((0, w.n))
+    if config is None and interpreted():
+        config = GemmConfig(block_n=32)
     if config is None:
         m = x.shape[0]
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                torch.cuda.get_device_name(x.device))  # fmt: skip
-        config = (
-            GemmConfig(block_n=32)
-            if interpreted()
-            else tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
-        )
+        config = tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
     return _run(x, w, config)
 
 
