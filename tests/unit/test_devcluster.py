@@ -230,6 +230,11 @@ def test_detached_processes_are_found_again_and_stopped_by_pid(tmp_path: Path) -
 def test_a_recycled_pid_is_not_mistaken_for_ours() -> None:
     sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
+        # Until the child has exec'd, its command line is still the forked Python's.
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{sleeper.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline, "the child never exec'd sleep"
+            time.sleep(0.01)
         assert Process("etcd", sleeper.pid, "/somewhere/else/etcd").running() is False
         assert Process("sleep", sleeper.pid, "sleep").running() is True
     finally:
