@@ -180,6 +180,14 @@ def test_kubeconfig_and_apiserver_flags_point_at_the_generated_files(tmp_path: P
 # ---- processes ------------------------------------------------------------------------------
 
 
+def _wait_for_exec(pid: int, exe: str) -> None:
+    """Until a new child has exec'd, its command line is still the forked parent's."""
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != exe.encode():
+        assert time.monotonic() < deadline, f"pid {pid} never exec'd {exe}"
+        time.sleep(0.01)
+
+
 def _http_server(port: int) -> list[str]:
     return [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
 
@@ -215,6 +223,7 @@ def test_detached_processes_are_found_again_and_stopped_by_pid(tmp_path: Path) -
     started.layout.logs.mkdir(parents=True)
     proc = started._spawn("web", _http_server(free_port()))
     try:
+        _wait_for_exec(proc.pid, sys.executable)
         started._write_state()
         found = DevCluster.attach(tmp_path, started.binaries)
         assert found is not None
@@ -230,11 +239,7 @@ def test_detached_processes_are_found_again_and_stopped_by_pid(tmp_path: Path) -
 def test_a_recycled_pid_is_not_mistaken_for_ours() -> None:
     sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        # Until the child has exec'd, its command line is still the forked Python's.
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{sleeper.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
-            assert time.monotonic() < deadline, "the child never exec'd sleep"
-            time.sleep(0.01)
+        _wait_for_exec(sleeper.pid, "sleep")
         assert Process("etcd", sleeper.pid, "/somewhere/else/etcd").running() is False
         assert Process("sleep", sleeper.pid, "sleep").running() is True
     finally:
