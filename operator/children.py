@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tessera.operator import constants as c
@@ -59,7 +59,7 @@ def _owner_reference(md: Mapping[str, Any]) -> Obj:
     }
 
 
-def _metadata(md: Mapping[str, Any], name: str, component: str) -> Obj:
+def owned_metadata(md: Mapping[str, Any], name: str, component: str) -> Obj:
     labels = {**selector_labels(md["metadata"]["name"], component),
               c.LABEL_MANAGED_BY: c.MANAGED_BY}
     return {
@@ -114,7 +114,7 @@ def gpus_per_pod(phase_spec: Mapping[str, Any]) -> int:
 
 def config_map(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
     name = child_name(md["metadata"]["name"], phase, "config")
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(md, name, phase),
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": owned_metadata(md, name, phase),
             "data": {c.CONFIG_KEY: config_text}}
 
 
@@ -166,7 +166,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(md, child_name(name, phase), phase),
+        "metadata": owned_metadata(md, child_name(name, phase), phase),
         "spec": {
             "replicas": int(phase_spec.get("replicas", 1)),
             "selector": {"matchLabels": labels},
@@ -192,7 +192,7 @@ def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(md, child_name(name, phase), phase),
+        "metadata": owned_metadata(md, child_name(name, phase), phase),
         "spec": {"clusterIP": "None", "selector": selector_labels(name, phase), "ports": ports},
     }
 
@@ -202,7 +202,7 @@ def disruption_budget(md: Mapping[str, Any], component: str) -> Obj:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(md, child_name(name, component), component),
+        "metadata": owned_metadata(md, child_name(name, component), component),
         "spec": {"maxUnavailable": 1,
                  "selector": {"matchLabels": selector_labels(name, component)}},
     }
@@ -236,7 +236,7 @@ def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(md, child_name(name, c.ROUTER), c.ROUTER),
+        "metadata": owned_metadata(md, child_name(name, c.ROUTER), c.ROUTER),
         "spec": {
             "replicas": int(router.get("replicas", 1)),
             "selector": {"matchLabels": labels},
@@ -254,19 +254,19 @@ def router_children(md: Mapping[str, Any], config_text: str) -> list[Obj]:
     the Deployment, its Service (the endpoint) and a PodDisruptionBudget."""
     spec, name, namespace = md["spec"], md["metadata"]["name"], md["metadata"]["namespace"]
     rname = child_name(name, c.ROUTER)
-    meta = _metadata(md, rname, c.ROUTER)
+    meta = owned_metadata(md, rname, c.ROUTER)
     return [
         config_map(md, c.ROUTER, config_text),
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": _metadata(md, rname, c.ROUTER),
+         "metadata": owned_metadata(md, rname, c.ROUTER),
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": _metadata(md, rname, c.ROUTER),
+         "metadata": owned_metadata(md, rname, c.ROUTER),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
          "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}]},
         router_deployment(md, config_text),
-        {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(md, rname, c.ROUTER),
+        {"apiVersion": "v1", "kind": "Service", "metadata": owned_metadata(md, rname, c.ROUTER),
          "spec": {"selector": selector_labels(name, c.ROUTER),
                   "ports": [{"name": "http", "port": int(spec.get("router", {}).get("port", 8000)),
                              "targetPort": "http", "protocol": "TCP"}]}},
@@ -280,19 +280,22 @@ def engine_identity(md: Mapping[str, Any]) -> list[Obj]:
     name, namespace = md["metadata"]["name"], md["metadata"]["namespace"]
     ename = child_name(name, c.ENGINE)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(md, ename, c.ENGINE)},
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": owned_metadata(md, ename, c.ENGINE)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": _metadata(md, ename, c.ENGINE),
+         "metadata": owned_metadata(md, ename, c.ENGINE),
          "rules": [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": _metadata(md, ename, c.ENGINE),
+         "metadata": owned_metadata(md, ename, c.ENGINE),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ename},
          "subjects": [{"kind": "ServiceAccount", "name": ename, "namespace": namespace}]},
     ]
 
 
-def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[Obj]:
-    """Every child of `md`, given the rendered config text of each phase and the router.
+def desired_children(md: Mapping[str, Any], configs: Mapping[str, str],
+                     extra: Sequence[Obj] = ()) -> list[Obj]:
+    """Every child of `md`, given the rendered config text of each phase and the router, and
+    `extra` children built elsewhere (the weight conversion Job, weights.py).
 
     Each child carries a hash of itself, so the reconciler can tell a changed desire from an
     unchanged one without a write (see apply.needs_apply).
@@ -304,6 +307,7 @@ def desired_children(md: Mapping[str, Any], configs: Mapping[str, str]) -> list[
                      engine_service(md, phase),
                      disruption_budget(md, phase)]
     children += router_children(md, configs[c.ROUTER])
+    children += extra
     for child in children:
         child["metadata"]["annotations"] = {c.ANNOTATION_DESIRED_HASH: stable_hash(child)}
     return children

@@ -13,7 +13,7 @@ TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 
 # The status of each condition type that is bad news; its transitions become Warning events.
 _BAD = {c.READY: FALSE, c.PROGRESSING: None, c.DEGRADED: TRUE, c.PRECISION_VALID: FALSE,
-        c.CAPACITY_PLANNED: FALSE, c.KV_INTEGRITY: FALSE}
+        c.CAPACITY_PLANNED: FALSE, c.KV_INTEGRITY: FALSE, c.WEIGHTS_READY: FALSE}
 
 
 def make_condition(type_: str, status: str, reason: str, message: str,

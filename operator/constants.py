@@ -17,6 +17,8 @@ FIELD_MANAGER = "tessera-operator"
 PREFILL, DECODE, SINGLE = "prefill", "decode", "single"
 PHASES = (PREFILL, DECODE, SINGLE)
 ROUTER = "router"
+# The Job that converts a phase's weights to INT4 before that phase rolls out (weights.py).
+CONVERTER = "convert"
 # The engine pods' own identity: a ServiceAccount that may only create events (KV integrity).
 ENGINE = "engine"
 
@@ -66,6 +68,8 @@ PRECISION_VALID = "PrecisionValid"
 CAPACITY_PLANNED = "CapacityPlanned"
 KV_INTEGRITY = "KVIntegrity"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, PRECISION_VALID, CAPACITY_PLANNED, KV_INTEGRITY)
+# Only on a deployment that converts its weights (weights.convertFrom), after the others.
+WEIGHTS_READY = "WeightsReady"
 
 # Every API call the operator makes: (apiGroup, resource, verbs). Least-privilege RBAC is
 # derived from this table (docs/operator.md; the Helm chart), and nothing else may be called.
@@ -76,6 +80,8 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
     ("", "serviceaccounts", ("get", "list", "watch", "create", "patch", "delete")),
     ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
+    # The weight conversion Job (weights.convertFrom).
+    ("batch", "jobs", ("get", "list", "watch", "create", "patch", "delete")),
     ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
     ("rbac.authorization.k8s.io", "roles", ("get", "list", "watch", "create", "patch", "delete")),
     ("rbac.authorization.k8s.io", "rolebindings",

@@ -20,6 +20,7 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("apps/v1", "Deployment"): "deployments",
+    ("batch/v1", "Job"): "jobs",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

@@ -22,6 +22,13 @@ from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
 from tessera.operator.kube import Kube
 from tessera.operator.status import build_status, observe_workload
+from tessera.operator.weights import (
+    conversion_phase,
+    converter_job_child,
+    job_name,
+    largest_tensor_bytes,
+    observe_conversion,
+)
 from tessera.runtime.planner import DeploymentPlan, PlanError, plan_deployment
 
 Obj = dict[str, Any]
@@ -119,9 +126,12 @@ def intend(md: Mapping[str, Any],
            render_configs: Callable[[Mapping[str, Any], DeploymentPlan], dict[str, str]]
            ) -> Intent:
     plan, error = plan_spec(md["spec"])
-    desired = (desired_children(md, render_configs(md, plan))
-               if plan is not None and plan.ok else [])
-    return Intent(plan, error, desired)
+    if plan is None or not plan.ok:
+        return Intent(plan, error, [])
+    phase = conversion_phase(md["spec"])
+    jobs = ([converter_job_child(md, phase, largest_tensor_bytes(plan.architecture))]
+            if phase else [])
+    return Intent(plan, error, desired_children(md, render_configs(md, plan), jobs))
 
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
@@ -133,16 +143,29 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
                   and o.get("reason") == c.EVENT_REASON_KV_MISMATCH]
     apply: list[Obj] = []
     prune: list[Obj] = []
+    # A phase whose weights are converted waits for the conversion Job to succeed.
+    phase = conversion_phase(spec)
+    conversion = None
+    held: set[Key] = set()
+    if phase is not None:
+        name = job_name(md, phase)
+        conversion = observe_conversion(phase, name,
+                                        children.get(("Job", meta["namespace"], name)))
+        if not conversion.ready:
+            held.add(("Deployment", meta["namespace"], child_name(meta["name"], phase)))
     # A spec the plan refuses gets no children; one that turned bad keeps the children it
-    # has (a bad edit must not take a serving model down).
+    # has (a bad edit must not take a serving model down). A held Deployment already there is
+    # kept as it is.
     if intent.admitted:
-        apply = [d for d in intent.desired if needs_apply(d, children.get(key_of(d)))]
+        apply = [d for d in intent.desired
+                 if key_of(d) not in held and needs_apply(d, children.get(key_of(d)))]
         wanted = {key_of(d) for d in intent.desired}
         prune = [o for k, o in children.items() if k not in wanted]
     workloads = {component: observe_workload(
         children.get(("Deployment", meta["namespace"], child_name(meta["name"], component))))
         for component in (*phases_of(spec), c.ROUTER)}
-    status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now)
+    status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
+                                   conversion)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
 
 

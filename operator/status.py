@@ -20,6 +20,7 @@ from tessera.operator.conditions import (
     make_condition,
     merge_conditions,
 )
+from tessera.operator.weights import Conversion, weights_condition
 from tessera.runtime.planner import DeploymentPlan, PlanError
 
 Obj = dict[str, Any]
@@ -86,8 +87,10 @@ def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,
 
 
 def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
-                       generation: int) -> list[Condition]:
-    """Ready, Progressing and Degraded from each component's workload (None: not there yet)."""
+                       generation: int, waiting: Mapping[str, str] | None = None
+                       ) -> list[Condition]:
+    """Ready, Progressing and Degraded from each component's workload (None: not there yet);
+    `waiting` says why a component not there yet is held back (its weights)."""
     if not planned:
         why = "the spec was not admitted (see PrecisionValid and CapacityPlanned)"
         return [make_condition(c.READY, FALSE, "NotAdmitted", why, generation),
@@ -103,7 +106,9 @@ def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
     short = [f"{name} {w.ready}/{w.desired} ready" for name, w in present.items()
              if not w.rolling and w.ready < w.desired]
 
-    not_ready = [f"{name} not created" for name in missing] + unready
+    waiting = waiting or {}
+    not_ready = [f"{name} waits for its weights: {waiting[name]}" if name in waiting
+                 else f"{name} not created" for name in missing] + unready
     ready = (make_condition(c.READY, FALSE, "ComponentsNotReady", "; ".join(not_ready), generation)
              if not_ready else
              make_condition(c.READY, TRUE, "AllReady",
@@ -160,19 +165,24 @@ def _phase_status(phase_spec: Mapping[str, Any], workload: Workload | None,
 def build_status(md: Mapping[str, Any], plan: DeploymentPlan | None, error: PlanError | None,
                  workloads: Mapping[str, Workload | None],
                  mismatch_events: Sequence[Mapping[str, Any]],
-                 now: str) -> tuple[Obj, list[Condition]]:
+                 now: str, conversion: Conversion | None = None) -> tuple[Obj, list[Condition]]:
     """The whole new status, and the conditions that changed since the old one.
 
     `workloads` maps each phase and "router" to its observed Deployment (None: absent);
-    `plan` is None when the planner could not read the spec (then `error` says why).
+    `plan` is None when the planner could not read the spec (then `error` says why);
+    `conversion` is the weight conversion Job of a spec that asks for one (WeightsReady).
     """
     spec, generation = md["spec"], md["metadata"].get("generation", 1)
     old = md.get("status") or {}
     admitted = plan is not None and plan.ok
-    conditions = [*rollout_conditions(workloads, admitted, generation),
+    waiting = ({conversion.phase: conversion.message}
+               if conversion is not None and not conversion.ready else {})
+    conditions = [*rollout_conditions(workloads, admitted, generation, waiting),
                   *plan_conditions(plan, error, generation),
                   kv_integrity_condition(spec.get("integrity", {}).get("enabled", False),
                                          mismatch_events, generation)]
+    if conversion is not None:
+        conditions.append(weights_condition(conversion, generation))
     merged, changed = merge_conditions(old.get("conditions", []), conditions, now)
     phases = phases_of(spec)
     status: Obj = {"observedGeneration": generation, "conditions": merged}
