@@ -92,7 +92,22 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["metadata.name", "40"]),
     ("unknown router policy", lambda m: m["spec"].update(router={"policy": "fastest"}),
      ["spec.router.policy", "Unsupported value"]),
+    ("conversion into a non-pvc output", lambda m: m["spec"]["decode"]["weights"].update(
+        convertFrom={"uri": "pvc://ckpt/fp8"}),
+     ["spec.decode.weights.convertFrom", "needs dtype int4 and a pvc:// uri"]),
+    ("conversion from a non-pvc source", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="pvc://ckpt/i4", convertFrom={"uri": "hf://m/fp8"}),
+     ["spec.decode.weights.convertFrom.uri", "must be pvc://claim/dir"]),
+    ("conversion on prefill", lambda m: m["spec"]["prefill"]["weights"].update(
+        dtype="int4", uri="pvc://ckpt/i4", convertFrom={"uri": "pvc://ckpt/fp8"}),
+     ["spec: Invalid value", "convertFrom applies to the decode or single phase"]),
 ]
+
+
+def test_conversion_into_a_pvc_is_accepted(crd: None, kubectl: Any, namespace: str) -> None:
+    m = valid()
+    m["spec"]["decode"]["weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": "pvc://ckpt/fp8"})
+    kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
 
 
 @pytest.fixture(scope="module")

@@ -399,3 +399,66 @@ def test_two_replicas_one_leads_the_other_takes_over(operator: Operator, kubectl
     finally:
         first.stop()
         second.stop()
+
+
+def claim(name: str, namespace: str, path: str) -> list[dict[str, Any]]:
+    """A claim and a hostPath PersistentVolume bound to it in advance."""
+    return [{"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": namespace},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                      "storageClassName": "", "hostPath": {"path": path},
+                      "claimRef": {"namespace": namespace, "name": name}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                      "volumeName": namespace, "resources": {"requests": {"storage": "1Gi"}}}}]
+
+
+def test_weights_are_converted_by_a_job_before_decode_rolls_out(
+        operator: Operator, kubectl: Any, namespace: str, tmp_path: Path) -> None:
+    """What is simulated: the Job's pod. It cannot be scheduled until its claim exists; once it
+    does, kwok v0.7.0's default stages mark it Running and, being owned by a Job, Succeeded
+    (no container runs), and the real Job controller marks the Job Complete. The conversion
+    the pod stands for is run here, with the Job's own commands, on a synthetic checkpoint."""
+    from tessera.runtime.quantize.synthetic import TINY_CONFIGS, write_checkpoint
+
+    md = tiny("conv")
+    md["spec"]["decode"]["weights"] = {"dtype": "int4", "uri": "pvc://ckpt/int4",
+                                       "convertFrom": {"uri": "pvc://ckpt/fp8"}}
+    apply(kubectl, namespace, md)
+
+    def jobs() -> list[dict[str, Any]]:
+        return json.loads(kubectl("get", "jobs", "-n", namespace, "-l",
+                                  f"{c.LABEL_DEPLOYMENT}=conv", "-o", "json").stdout)["items"]
+
+    (job,) = poll("the conversion Job", jobs)
+    weights = poll("WeightsReady", lambda: conditions(get_md(kubectl, namespace, "conv")).get(
+        c.WEIGHTS_READY))
+    assert (weights["status"], weights["reason"]) == ("False", "Converting")
+    poll("router and prefill rolled out", lambda: {"conv-router", "conv-prefill"} <= {
+        n for k, n in children(kubectl, namespace, "conv") if k == "Deployment"})
+    time.sleep(2 * RESYNC_S)  # resyncs change nothing while the Job waits
+    assert ("Deployment", "conv-decode") not in children(kubectl, namespace, "conv")
+    ready = conditions(get_md(kubectl, namespace, "conv"))[c.READY]
+    assert ready["status"] == "False" and "decode waits for its weights" in ready["message"]
+
+    # The pod's work, with the Job's own commands and mounts pointed at local folders.
+    source = write_checkpoint(tmp_path / "fp8", TINY_CONFIGS["deepseek-v3"], dtype="fp8")
+    pod = job["spec"]["template"]["spec"]
+    (convert,), (verify,) = pod["initContainers"], pod["containers"]
+    folders = {"/models/source": str(source), "/models/int4": str(tmp_path / "int4")}
+    for container in (convert, verify):
+        argv = [folders.get(a, a) for a in container["command"]]
+        assert argv[:2] == ["tessera", "quantize"]
+        subprocess.run([sys.executable, "-m", "tessera", *argv[1:]], check=True, timeout=120,
+                       capture_output=True)
+    assert json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
+
+    for obj in claim("ckpt", namespace, str(tmp_path)):
+        apply(kubectl, namespace, obj)
+    wait_ready(kubectl, namespace, "conv", timeout=60)
+    md_now = get_md(kubectl, namespace, "conv")
+    weights = conditions(md_now)[c.WEIGHTS_READY]
+    assert (weights["status"], weights["reason"]) == ("True", "Converted")
+    (job,) = jobs()
+    assert any(x["type"] == "Complete" and x["status"] == "True"
+               for x in job["status"]["conditions"])
+    assert md_now["status"]["decode"]["readyReplicas"] == 2
