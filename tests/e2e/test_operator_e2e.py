@@ -376,31 +376,6 @@ def test_killed_mid_reconcile_converges_without_duplicates(operator: Operator, k
 
 
 
-def test_two_replicas_one_leads_the_other_takes_over(operator: Operator, kubectl: Any,
-                                                     namespace: str, cluster: Any) -> None:
-    operator.stop()  # the module's replica runs without election; these two replace it
-    lease = f"{namespace}/tessera-operator"
-    first, second = (Operator(cluster.env, operator.log.with_name(f"replica-{i}.log"),
-                              "--leader-election", lease) for i in (1, 2))
-    first.start()
-    second.start(ready_line="waiting for leadership")
-    try:
-        apply(kubectl, namespace, tiny("ha"))
-        wait_ready(kubectl, namespace, "ha")
-        assert "leading as" not in second.text()
-        first.kill()
-        poll("the second replica to lead", lambda: "leading as" in second.text(), timeout=40)
-        poll("the new leader to start", lambda: "operator started" in second.text())
-        changed = tiny("ha")
-        changed["spec"]["decode"]["replicas"] = 1
-        apply(kubectl, namespace, changed)
-        poll("decode scaled to 1 by the new leader",
-             lambda: len(pod_uids(kubectl, namespace, "decode")) == 1, timeout=60)
-    finally:
-        first.stop()
-        second.stop()
-
-
 def claim(name: str, namespace: str, path: str) -> list[dict[str, Any]]:
     """A claim and a hostPath PersistentVolume bound to it in advance."""
     return [{"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": namespace},
@@ -462,3 +437,28 @@ def test_weights_are_converted_by_a_job_before_decode_rolls_out(
     assert any(x["type"] == "Complete" and x["status"] == "True"
                for x in job["status"]["conditions"])
     assert md_now["status"]["decode"]["readyReplicas"] == 2
+
+
+def test_two_replicas_one_leads_the_other_takes_over(operator: Operator, kubectl: Any,
+                                                     namespace: str, cluster: Any) -> None:
+    operator.stop()  # the module's replica runs without election; these two replace it
+    lease = f"{namespace}/tessera-operator"
+    first, second = (Operator(cluster.env, operator.log.with_name(f"replica-{i}.log"),
+                              "--leader-election", lease) for i in (1, 2))
+    first.start()
+    second.start(ready_line="waiting for leadership")
+    try:
+        apply(kubectl, namespace, tiny("ha"))
+        wait_ready(kubectl, namespace, "ha")
+        assert "leading as" not in second.text()
+        first.kill()
+        poll("the second replica to lead", lambda: "leading as" in second.text(), timeout=40)
+        poll("the new leader to start", lambda: "operator started" in second.text())
+        changed = tiny("ha")
+        changed["spec"]["decode"]["replicas"] = 1
+        apply(kubectl, namespace, changed)
+        poll("decode scaled to 1 by the new leader",
+             lambda: len(pod_uids(kubectl, namespace, "decode")) == 1, timeout=60)
+    finally:
+        first.stop()
+        second.stop()
