@@ -243,8 +243,11 @@ def test_operator_as_the_charts_service_account_reconciles_an_example(
 
     requests = _audit(installed)
     assert requests, "no request of the operator's ServiceAccount in the audit log"
+    # A namespace being deleted (an earlier test's) refuses new objects with 403 too; that is
+    # not RBAC, and the operator cluster-wide may still be reconciling what was in it.
     refused = [(e["verb"], e.get("objectRef"), e["responseStatus"].get("code"))
-               for e in requests if e["responseStatus"].get("code") == 403]
+               for e in requests if e["responseStatus"].get("code") == 403
+               and "being terminated" not in e["responseStatus"].get("message", "")]
     assert not refused, f"the chart's RBAC refused the operator: {refused}"
     # The metrics the chart's Service scrapes, from the replica that did the work.
     leader = installed.operators[0]
