@@ -20,7 +20,6 @@ import datetime
 import importlib.util
 import json
 import math
-import statistics
 import subprocess
 import sys
 import types
@@ -36,50 +35,10 @@ from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_ml
 from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
 from tessera.kernels.paged_decode_split import DecodeConfig
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
+from timing import copy_bandwidth, graph_time_us
 
 L2_BYTES = 60 * 2**20
 SGLANG_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
-
-
-def graph_time_us(calls, sets: int, replays: int = 7) -> float:
-    """Median time of one call, from CUDA-graph replays of ``calls(i)`` for i cycling over sets."""
-    per_graph = max(sets, 12)
-    for i in range(sets):  # compile and warm up outside the capture
-        calls(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            calls(i % sets)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s, read + write counted: the best of an elementwise copy
-    kernel in a graph and ``copy_`` outside one (inside a graph ``copy_`` becomes a memcpy node,
-    which ran at about 2.8 TB/s here, below what kernels reach)."""
-    src = torch.randn(2**28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    t_kernel = graph_time_us(lambda i: torch.mul(src, 1.0, out=dst), 1)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    t_copy = start.elapsed_time(end) * 1e3 / 10
-    return 2 * src.numel() * 4 / (min(t_kernel, t_copy) * 1e-6)
 
 
 def load_sglang_decode(path: Path):

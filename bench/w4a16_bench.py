@@ -32,6 +32,7 @@ import triton.language as tl
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import _TUNED, _m_bucket, w4a16_matmul
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
+from timing import graph_time_us
 
 L2_BYTES = 60 * 2**20
 M_VALUES = (1, 4, 16, 32, 64, 128, 512, 2048)
@@ -47,30 +48,6 @@ MOE_SHAPES = {  # name: (experts, hidden, expert width, top_k, group)
     "kimi-like 384x7168x2048 top8 g128": (384, 7168, 2048, 8, 128),
 }
 MOE_TOKENS = (1, 4, 16, 32, 64, 128)
-
-
-def graph_time_us(calls, sets: int, reps: int = 10) -> float:
-    """Median time of one call, from CUDA-graph replays of ``calls(i)`` for i cycling over sets."""
-    per_graph = max(sets, 8 * math.ceil(8 / sets))
-    for i in range(sets):  # warm-up (and tuning) outside the capture
-        calls(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            calls(i % sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    del graph
-    return statistics.median(times)
 
 
 def random_int4(shape_nk: tuple[int, ...], group: int, device: str = "cuda") -> W4A16Weight:
