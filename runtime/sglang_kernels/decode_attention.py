@@ -9,8 +9,9 @@ its length is ``kv_indptr[b + 1] - kv_indptr[b]``); ``k_scale``/``v_scale`` per-
 (FP8 dequantization); ``attn_logits``/``attn_lse``/``num_kv_splits`` SGLang's split scratch.
 
 The translation reads everything in place: the buffers are passed as they are (FP8 pages
-included), ``kv_indptr``/``kv_indices`` become a :class:`PageTable` with one entry per token (exact
-for any slot layout, page-aligned or not), the lengths are ``kv_indptr``'s differences (a
+included), ``kv_indptr``/``kv_indices`` become a :class:`PageTable` read at the first slot of
+each page (SGLang's paged allocator keeps token ``p`` at offset ``p % page_size`` of its page;
+with ``page_size`` 1 every slot is read), the lengths are ``kv_indptr``'s differences (a
 ``[batch]`` subtraction, no host sync), and ``o`` is the output. The split count is sized from
 ``kv_indices``' length, a bound known on the host, so the call can be captured in a CUDA graph.
 SGLang's split scratch is not used.
@@ -63,6 +64,7 @@ def unsupported(
     sinks: Any,
     xai_temperature_len: int,
     score_mod: Any,
+    page_size: int = 1,
 ) -> str | None:
     """Why tessera's kernel cannot serve this call (None: it can). Looks at shapes, dtypes and
     flags only, never at device data."""
@@ -70,6 +72,8 @@ def unsupported(
         return "ROCm (tessera's kernels target NVIDIA GPUs)"
     if score_mod is not None:
         return "a score_mod"
+    if page_size < 1 or page_size & (page_size - 1):
+        return f"page size {page_size} (tessera: a power of two)"
     if logit_cap and logit_cap > 0:
         return "logit soft-capping"
     if sinks is not None:
@@ -133,11 +137,15 @@ def tessera_decode(
     sm_scale: float,
     k_scale: float,
     v_scale: float,
+    page_size: int = 1,
 ) -> None:
     """Write ``o`` with tessera's kernel for a call that :func:`unsupported` accepted."""
     batch = q.shape[0]
     seq_lens = kv_indptr[1 : batch + 1] - kv_indptr[:batch]
-    table = PageTable(kv_indptr, kv_indices, seq_lens, page_size=1, entries_per_page=1)
+    # SGLang's paged allocator keeps a request's token p at offset p % page_size of its page, so
+    # with pages the kernel reads one slot per page and streams whole pages (measured on the
+    # H200: the per-token form cost MLA FP8 decode +52-57%, GQA FP8 up to +19%).
+    table = PageTable.from_sglang(kv_indptr, kv_indices, seq_lens, page_size)
     bound = max(int(kv_indices.numel()), 1)  # >= every request's length; known on the host
     fp8 = k_buffer.dtype == FP8_DTYPE
     if is_mla_form(k_buffer, v_buffer):
@@ -218,10 +226,20 @@ def make_routed(
             sinks=sinks,
             xai_temperature_len=xai_temperature_len,
             score_mod=score_mod,
+            page_size=page_size,
         )
         if reason is None:
             tessera_decode(
-                q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, k_scale, v_scale
+                q,
+                k_buffer,
+                v_buffer,
+                o,
+                kv_indptr,
+                kv_indices,
+                sm_scale,
+                k_scale,
+                v_scale,
+                page_size,
             )
             return
         fallbacks.record(DECODE_ATTENTION, reason)

@@ -218,6 +218,8 @@ FLAGS = dict(k_scale=1.0, v_scale=1.0, logit_cap=0.0, sinks=None, xai_temperatur
         (decode_args(kv_dtype=torch.float16), {}, "float16 KV"),
         (decode_args(heads=6, kv_heads=4), {}, "6 query heads over 4"),
         (decode_args(), {"v_scale": 2.0}, "v_scale other than 1"),
+        (decode_args(), {"page_size": 64}, None),
+        (decode_args(), {"page_size": 48}, "page size 48"),
     ],
 )
 def test_decode_fallback_decisions(args, flags, reason):
