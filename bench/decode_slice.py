@@ -1,0 +1,1070 @@
+"""Decode-slice benchmark: one H200 runs one GPU's share of a Kimi K2-like and a GLM 5-like
+decode step at TP 8 / EP 8, with our kernels, our paged KV pool and our integrity check.
+
+What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_plan.py``):
+- per layer: RMSNorms; the MLA projections (fused q_a + kv_a, q_b, o_proj; GLM's DSA indexer
+  projections) as dense linears; the absorbed-MLA query and output bmm's (BF16); the new token's
+  latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our paged MLA
+  decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router GEMM and top-k; the shared
+  expert; the routed experts of the one GPU that finishes the layer last (routing drawn at
+  random, ``critical_share``): INT4 through our ``fused_moe``, FP8 through SGLang's own Triton
+  fused-MoE kernel with block-scaled w8a8, taken from its source file.
+- dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
+  Triton quantizer, per-row weight scales), INT4 through our ``w4a16_matmul``; the embedding,
+  router and lm_head stay BF16 in both.
+- once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
+  argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
+  ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
+- not modelled: the all-reduce / all-to-all between the 8 GPUs, rotary embedding, the DSA
+  indexer's scoring and sparse selection (attention here is dense MLA over every token).
+
+Timing: two CUDA graphs per point, the once-per-step part (with and without integrity) and
+``--slice-layers`` distinct MoE layers (weights of several GB: they stream from HBM); replays
+are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_layers``.
+
+    python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
+        [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
+    python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from decode_slice_plan import (
+    CONCURRENCY,
+    CONFIGS,
+    CONTEXT_MIX,
+    KV_DTYPES,
+    MODELS,
+    PAGE_SIZE,
+    QUANTIZED_MODULES,
+    WEIGHT_DTYPES,
+    SliceShape,
+    config_label,
+    context_lengths,
+    critical_share,
+    draw_routing,
+    expert_shares,
+    fits,
+    integrity_cost,
+    kv_comparison,
+    median,
+    model_shape,
+    pages_for,
+    percentile,
+    pool_plan,
+    step_samples,
+    throughput_table,
+    weights_comparison,
+)
+from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
+from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16, paged_decode_mla_bf16_ref
+from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
+from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
+from tessera.kernels.w4a16_format import PACK, W4A16Weight
+from tessera.kernels.w4a16_gemm import w4a16_matmul, w4a16_matmul_reference
+from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
+from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
+
+FP8_MAX = 448.0
+FP8_BLOCK = 128  # SGLang's block-scaled FP8 weights: one scale per 128 x 128
+FP8_RMS = 0.5  # about the RMS of the random e4m3 bytes below
+INT4_RMS = 4.6  # RMS of a uniform 4-bit code minus the symmetric zero point 8
+NORM_EPS = 1e-6
+
+# ---------------------------------------------------------------------------- SGLang kernels
+
+SGLANG_FILES = {  # file -> where the SGLang 0.5.23 wheel installs it
+    "fused_moe_triton_kernels.py": "sglang/kernels/ops/moe",
+    "fp8_kernel.py": "sglang/kernels/ops/quantization",
+}
+# Its default for block-scaled FP8 when no tuned file matches (none does for 48 or 32 local
+# experts of width 2048 on the H200), and two small-M tiles from its tuned H200 FP8 files.
+SGLANG_FP8_CONFIGS = (
+    {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
+     "num_warps": 4, "num_stages": 3},
+    {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+     "num_warps": 4, "num_stages": 4},
+    {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
+     "num_warps": 4, "num_stages": 3},
+)  # fmt: skip
+
+
+def find_sglang_source(name: str, src_dir: Path | None = None) -> Path:
+    """One of SGLang's kernel source files: in ``src_dir`` if given, else in the installed
+    package (found on sys.path without importing SGLang, which needs packages absent here)."""
+    candidates = [src_dir / name] if src_dir else []
+    candidates += [Path(p) / SGLANG_FILES[name] / name for p in sys.path if p]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"SGLang's {name} not found (pass --sglang-src)")
+
+
+def load_triton_functions(path: Path, names: set[str]) -> dict[str, Any]:
+    """The ``@triton.jit`` functions ``names`` of a source file, without importing the rest of
+    its module. Triton reads a kernel's source lines, so they are written to a file first."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    if {n.name for n in nodes} != names:
+        raise SystemExit(f"{path} lacks {names - {n.name for n in nodes}}")
+    body = "\n\n\n".join("@triton.jit\n" + (ast.get_source_segment(source, n) or "") for n in nodes)
+    scratch = Path(tempfile.gettempdir()) / "tessera_sglang_kernels" / f"{path.stem}.py"
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    scratch.write_text("import triton\nimport triton.language as tl\n\n\n" + body + "\n")
+    namespace: dict[str, Any] = {"__name__": f"sglang_{path.stem}"}
+    exec(compile(scratch.read_text(), str(scratch), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+@dataclass
+class SglangKernels:
+    fused_moe: Any  # fused_moe_kernel
+    group_quant: Any  # _per_token_group_quant_8bit
+    config: dict[str, int] = field(default_factory=lambda: dict(SGLANG_FP8_CONFIGS[0]))
+
+
+def load_sglang_kernels(src_dir: Path | None = None) -> SglangKernels:
+    moe = load_triton_functions(find_sglang_source("fused_moe_triton_kernels.py", src_dir),
+                                {"write_zeros_to_output", "fused_moe_kernel"})  # fmt: skip
+    quant = load_triton_functions(find_sglang_source("fp8_kernel.py", src_dir),
+                                  {"_per_token_group_quant_8bit"})  # fmt: skip
+    return SglangKernels(moe["fused_moe_kernel"], quant["_per_token_group_quant_8bit"])
+
+
+def group_quant_fp8(k: SglangKernels, x: torch.Tensor, group: int):
+    """SGLang's per-token-group FP8 quantization: e4m3 values and one fp32 scale per group."""
+    x = x.contiguous()
+    rows, cols = x.shape
+    xq = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty((rows, cols // group), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    k.group_quant[(rows * (cols // group),)](
+        x, xq, xs, group, group, 1e-10, bit8_min=-FP8_MAX, bit8_max=FP8_MAX, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8), num_stages=1,
+    )  # fmt: skip
+    return xq, xs
+
+
+def group_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    xf = x.float().view(rows, cols // group, group)
+    scale = xf.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(rows, cols), scale
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    return q.float() * scale.repeat_interleave(group, dim=1)
+
+
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def sglang_fp8_gemm(k: SglangKernels, a, a_scale, b, b_scale, pair_ids, block_expert, post_padded,
+                    num_pairs, rows_top_k, routing=None):  # fmt: skip
+    """One GEMM of SGLang's fused MoE (``invoke_fused_moe_kernel``'s block-FP8 launch)."""
+    cfg = k.config
+    out = torch.empty((num_pairs, b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    grid = (triton.cdiv(pair_ids.numel(), cfg["BLOCK_SIZE_M"])
+            * triton.cdiv(b.shape[1], cfg["BLOCK_SIZE_N"]),)  # fmt: skip
+    swap_ab = _sm90(a.device) and cfg["BLOCK_SIZE_M"] < 64 and cfg["BLOCK_SIZE_N"] >= 64
+    k.fused_moe[grid](
+        a, None, b, None, None, out, a_scale, b_scale,
+        routing if routing is not None else a_scale, pair_ids, block_expert, post_padded, None,
+        b.shape[1], b.shape[2], pair_ids.numel(), num_pairs,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(2), b.stride(1), 0, 0,
+        out.stride(0), out.stride(1), a_scale.stride(0), a_scale.stride(1),
+        b_scale.stride(0), b_scale.stride(2), b_scale.stride(1), FP8_BLOCK, FP8_BLOCK,
+        MUL_ROUTED_WEIGHT=routing is not None, top_k=rows_top_k, compute_type=tl.bfloat16,
+        use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False, per_channel_quant=False,
+        even_Ks=b.shape[2] % cfg["BLOCK_SIZE_K"] == 0, c_sorted=False, swap_ab=swap_ab,
+        FUSE_ADD_TO_OUTPUT=False, MASK_OUTPUT=False, FUSE_SUM_ALL_REDUCE=False, ROUTER_TOPK=1,
+        **cfg,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+@dataclass
+class Linear:
+    """``y = x @ W.T``: BF16 ``[N, K]``, FP8 ``[N, K]`` with fp32 row scales ``[1, N]``, or INT4."""
+
+    kind: str
+    weight: Any
+    scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.weight, W4A16Weight):
+            return self.weight.qweight.nbytes + self.weight.scales.nbytes
+        return self.weight.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+
+@dataclass
+class Experts:
+    """Local routed experts: FP8 ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` with 128 x 128 block
+    scales (SGLang's layout), or INT4 ``W4A16Weight`` ``[E, K/8, N]`` (ours)."""
+
+    kind: str
+    w13: Any
+    w2: Any
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return (self.w13.qweight if self.kind == "int4" else self.w13).shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "int4":
+            return sum(w.qweight.nbytes + w.scales.nbytes for w in (self.w13, self.w2))
+        return sum(t.nbytes for t in (self.w13, self.w2, self.s13, self.s2))
+
+
+@dataclass
+class Attention:
+    norm: torch.Tensor
+    qkv_a: Linear  # fused q_a_proj + kv_a_proj_with_mqa (replicated)
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    q_b: Linear
+    w_kc: torch.Tensor  # [heads, qk_nope, kv_lora]: q_nope -> latent (absorbed kv_b)
+    w_vc: torch.Tensor  # [heads, kv_lora, v_head]: latent -> v (absorbed kv_b)
+    o: Linear
+    indexer: list[Linear]  # DSA indexer projections (GLM-5): wq_b, wk, weights_proj
+
+
+@dataclass
+class MLP:
+    norm: torch.Tensor
+    up: Linear  # gate and up, stacked
+    down: Linear
+
+
+@dataclass
+class MoE:
+    norm: torch.Tensor
+    router: Linear
+    shared: MLP  # the shared expert (norm unused: the MoE's own)
+    experts: Experts
+
+
+@dataclass
+class Common:
+    """What both weight precisions share (BF16 in every scheme)."""
+
+    embedding: torch.Tensor  # [vocab_shard, H]
+    final_norm: torch.Tensor
+    lm_head: Linear
+
+
+@dataclass
+class Weights:
+    dense: list[tuple[Attention, MLP]]
+    moe: list[tuple[Attention, MoE]]
+
+    def moe_layer_bytes(self) -> int:
+        attn, moe = self.moe[0]
+        return _nbytes(attn) + _nbytes(moe)
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, Linear | Experts):
+        return obj.nbytes
+    if isinstance(obj, list):
+        return sum(_nbytes(x) for x in obj)
+    return sum(_nbytes(v) for v in vars(obj).values())
+
+
+class Gen:
+    """Seeded random tensors on one device."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(*shape, generator=self.gen, device=self.device, dtype=torch.bfloat16)
+        return x.mul_(scale)
+
+    def norm_weight(self, dim: int) -> torch.Tensor:
+        return 1.0 + self.randn(dim, scale=0.05)
+
+    def fp8(self, *shape: int) -> torch.Tensor:
+        """Random finite e4m3 values (bit 6 cleared: exponent <= 7, |x| <= 1.875, never NaN)."""
+        raw = torch.randint(0, 256, shape, generator=self.gen, device=self.device,
+                            dtype=torch.uint8)  # fmt: skip
+        return raw.bitwise_and_(0xBF).view(FP8_DTYPE)
+
+    def scales(self, *shape: int, scale: float) -> torch.Tensor:
+        u = torch.rand(*shape, generator=self.gen, device=self.device, dtype=torch.float32)
+        return u.mul_(0.5).add_(0.75).mul_(scale)
+
+    def int4(self, *lead: int, n: int, k: int, group: int) -> W4A16Weight:
+        q = torch.randint(-(2**31), 2**31 - 1, (*lead, k // PACK, n), generator=self.gen,
+                          device=self.device, dtype=torch.int32)  # fmt: skip
+        s = self.scales(*lead, k // group, n, scale=1 / (INT4_RMS * math.sqrt(k)))
+        return W4A16Weight(q, s.to(torch.bfloat16), None, group)
+
+    def linear(self, n: int, k: int, kind: str, group: int) -> Linear:
+        if kind == "bf16":
+            return Linear("bf16", self.randn(n, k, scale=1 / math.sqrt(k)))
+        if kind == "fp8":
+            scale = self.scales(1, n, scale=1 / (FP8_RMS * math.sqrt(k)))
+            return Linear("fp8", self.fp8(n, k), scale)
+        return Linear("int4", self.int4(n=n, k=k, group=group))
+
+    def experts(self, e: int, hidden: int, width: int, kind: str, group: int) -> Experts:
+        if kind == "int4":
+            return Experts("int4", self.int4(e, n=2 * width, k=hidden, group=group),
+                           self.int4(e, n=hidden, k=width, group=group))  # fmt: skip
+        b = FP8_BLOCK
+        return Experts(
+            "fp8", self.fp8(e, 2 * width, hidden), self.fp8(e, hidden, width),
+            self.scales(e, 2 * width // b, hidden // b, scale=1 / (FP8_RMS * math.sqrt(hidden))),
+            self.scales(e, hidden // b, width // b, scale=1 / (FP8_RMS * math.sqrt(width))),
+        )  # fmt: skip
+
+
+def build_common(shape: SliceShape, gen: Gen) -> Common:
+    h = shape.hidden
+    return Common(gen.randn(shape.vocab_shard, h), gen.norm_weight(h),
+                  gen.linear(shape.vocab_shard, h, "bf16", 0))  # fmt: skip
+
+
+def build_attention(s: SliceShape, kind: str, group: int, gen: Gen) -> Attention:
+    h, heads = s.hidden, s.heads
+    indexer = []
+    if s.index_heads:
+        indexer = [gen.linear(s.index_heads * s.index_dim, s.q_lora, kind, group),
+                   gen.linear(s.index_dim, h, kind, group),
+                   gen.linear(s.index_heads, h, "bf16", group)]  # fmt: skip
+    return Attention(
+        norm=gen.norm_weight(h),
+        qkv_a=gen.linear(s.q_lora + s.latent_dim, h, kind, group),
+        q_norm=gen.norm_weight(s.q_lora),
+        kv_norm=gen.norm_weight(s.kv_lora),
+        q_b=gen.linear(heads * (s.qk_nope + s.rope), s.q_lora, kind, group),
+        w_kc=gen.randn(heads, s.qk_nope, s.kv_lora, scale=1 / math.sqrt(s.qk_nope)),
+        w_vc=gen.randn(heads, s.kv_lora, s.v_head, scale=1 / math.sqrt(s.kv_lora)),
+        o=gen.linear(h, heads * s.v_head, kind, group),
+        indexer=indexer,
+    )
+
+
+def build_mlp(hidden: int, width: int, kind: str, group: int, gen: Gen) -> MLP:
+    return MLP(gen.norm_weight(hidden), gen.linear(2 * width, hidden, kind, group),
+               gen.linear(hidden, width, kind, group))  # fmt: skip
+
+
+def build_weights(s: SliceShape, kind: str, group: int, moe_layers: int, gen: Gen) -> Weights:
+    """``s.dense_layers`` dense layers and ``moe_layers`` distinct MoE layers in ``kind``."""
+    dense = [(build_attention(s, kind, group, gen), build_mlp(s.hidden, s.dense_width, kind,
+                                                              group, gen))
+             for _ in range(s.dense_layers)]  # fmt: skip
+    moe = []
+    for _ in range(moe_layers):
+        layer = MoE(
+            norm=gen.norm_weight(s.hidden),
+            router=gen.linear(s.experts, s.hidden, "bf16", group),
+            shared=build_mlp(s.hidden, s.shared_width, kind, group, gen),
+            experts=gen.experts(s.local_experts, s.hidden, s.expert_width, kind, group),
+        )
+        moe.append((build_attention(s, kind, group, gen), layer))
+    return Weights(dense, moe)
+
+
+# ---------------------------------------------------------------------------- KV pool, batch
+
+
+@dataclass
+class KVCache:
+    """One layer's latent cache in our paged layout: ``[(pages + 1) x page_size, 1, 576]``
+    token rows (page 0 is padding), BF16 or FP8 with one per-tensor scale."""
+
+    rows: torch.Tensor
+    scale: torch.Tensor | None  # 0-dim fp32 (FP8) or None (BF16)
+
+
+def new_cache(pages: int, dim: int, kv_dtype: str, gen: Gen) -> KVCache:
+    slots = (pages + 1) * PAGE_SIZE
+    if kv_dtype == "bf16":
+        return KVCache(gen.randn(slots, 1, dim), None)
+    scale = torch.tensor(1.0, dtype=torch.float32, device=gen.device)
+    return KVCache(gen.fp8(slots, 1, dim), scale)
+
+
+@dataclass
+class LayerRouting:
+    """The critical GPU's (token, local expert) pairs of one layer, each pair a row (top 1)."""
+
+    tokens: torch.Tensor  # int64 [P]
+    ids: torch.Tensor  # int32 [P, 1]
+    weights: torch.Tensor  # fp32 [P, 1]
+    distinct_experts: int
+    mean_distinct_experts: float  # over the 8 GPUs
+
+
+def layer_routings(s: SliceShape, batch: int, layers: int, seed: int,
+                   device: torch.device) -> list[LayerRouting]:  # fmt: skip
+    rng = random.Random(seed)
+    out = []
+    for _ in range(layers):
+        ids, weights = draw_routing(rng, batch, s.experts, s.top_k)
+        shares = expert_shares(ids, weights, s.experts, s.experts // s.local_experts)
+        c = critical_share(shares)
+        out.append(LayerRouting(
+            torch.tensor(c.tokens, dtype=torch.int64, device=device),
+            torch.tensor(c.local_experts, dtype=torch.int32, device=device).view(-1, 1),
+            torch.tensor(c.weights, dtype=torch.float32, device=device).view(-1, 1),
+            c.distinct_experts, sum(x.distinct_experts for x in shares) / len(shares),
+        ))  # fmt: skip
+    return out
+
+
+class IntegrityCheck:
+    """The tagged allocator's state for a batch, and its per-step work: the new token's slot
+    through ``on_alloc`` and ``record`` (as SGLang's decode allocation and page-table write do),
+    then the batched check of every page of every request (``verify``)."""
+
+    def __init__(self, pages: list[list[int]], lengths: list[int], pool_pages: int,
+                 device: torch.device) -> None:  # fmt: skip
+        batch, max_pages = len(pages), max(len(p) for p in pages)
+        shape = TrackerShape(pool_pages, PAGE_SIZE, batch, max_pages)
+        self.tracker = PageTagTracker(shape, device)
+        page_lists = [torch.tensor(p, dtype=torch.int64) for p in pages]
+        table = torch.zeros(batch, max_pages * PAGE_SIZE, dtype=torch.int32)
+        for b, (p, n) in enumerate(zip(page_lists, lengths, strict=True)):
+            t = torch.arange(n)
+            table[b, :n] = (p[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE).to(torch.int32)
+        self.table = table.to(device)  # SGLang's req_to_token: token slots per request row
+        # Every page handed out (tag bumped) and recorded at its position, as at admission.
+        start_slots = (torch.cat(page_lists) * PAGE_SIZE).to(device)
+        self.tracker.on_alloc(start_slots)
+        rows = torch.cat([torch.full((len(p),), b) for b, p in enumerate(page_lists)])
+        positions = torch.cat([torch.arange(len(p)) * PAGE_SIZE for p in page_lists])
+        self.tracker.record(rows.to(device), positions.to(device), start_slots)
+        self.rows = torch.arange(batch, device=device)
+        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.positions = self.seq_lens.long() - 1
+        self.new_slots = self.table[self.rows, self.positions].long()
+
+    def step(self) -> torch.Tensor:
+        self.tracker.on_alloc(self.new_slots)
+        self.tracker.record(self.rows, self.positions, self.new_slots)
+        return self.tracker.verify(self.table, self.rows, self.seq_lens)
+
+
+@dataclass
+class Batch:
+    lengths: list[int]
+    table: PageTable
+    new_slots: torch.Tensor  # int64 [B]: where each request's new token goes
+    token_ids: torch.Tensor  # int64 [B]
+    integrity: IntegrityCheck
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+
+def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int,
+                device: torch.device) -> Batch:  # fmt: skip
+    """Pages for each request's full context from the pool's free list (shuffled, as after
+    churn); each request decodes its last token. Token ids are drawn from this GPU's vocabulary
+    shard, so its lookup returns the row the (unmodelled) all-reduce would: no zero rows."""
+    need = [pages_for(n) for n in lengths]
+    if sum(need) > pool_pages:
+        raise ValueError(f"{sum(need)} pages needed, the pool has {pool_pages}")
+    gen = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(pool_pages, generator=gen) + 1).tolist()  # page 0 is padding
+    pages, at = [], 0
+    for k in need:
+        pages.append(free[at : at + k])
+        at += k
+    table = PageTable.from_page_lists(pages, lengths, PAGE_SIZE, device)
+    check = IntegrityCheck(pages, lengths, pool_pages, device)
+    token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
+    return Batch(lengths, table, check.new_slots, token_ids, check)
+
+
+# ---------------------------------------------------------------------------- ops
+
+
+class KernelOps:
+    """The kernels a serving GPU runs."""
+
+    def __init__(self, sglang: SglangKernels | None) -> None:
+        self.sglang = sglang
+
+    def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        if lin.kind == "bf16":
+            return x @ lin.weight.T
+        if lin.kind == "int4":
+            return w4a16_matmul(x.contiguous(), lin.weight)
+        assert self.sglang is not None, "FP8 linears quantize activations with SGLang's kernel"
+        xq, xs = group_quant_fp8(self.sglang, x, x.shape[1])
+        return torch._scaled_mm(xq, lin.weight.T, scale_a=xs, scale_b=lin.scale,
+                                out_dtype=torch.bfloat16)  # fmt: skip
+
+    def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
+        if e.kind == "int4":
+            return fused_moe(x, e.w13, e.w2, r.weights, r.ids)
+        return self.sglang_moe(x, e, r)
+
+    def sglang_moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
+        """SGLang's Triton fused MoE over block-FP8 experts: quantize, up GEMM, SiLU-and-mul,
+        quantize, down GEMM with the routing weight (one pair per row, so no top-k sum)."""
+        k = self.sglang
+        assert k is not None
+        pairs = r.ids.numel()
+        block_m = k.config["BLOCK_SIZE_M"]
+        pair_ids, block_expert = align_to_experts(r.ids, e.count, block_m)
+        post_padded = (block_expert >= 0).sum().reshape(1).to(torch.int32) * block_m
+        routing = r.weights.reshape(-1)
+        a, a_s = group_quant_fp8(k, x, FP8_BLOCK)
+        h = sglang_fp8_gemm(k, a, a_s, e.w13, e.s13, pair_ids, block_expert, post_padded,
+                            pairs, 1)  # fmt: skip
+        gate, up = h.chunk(2, dim=-1)
+        a, a_s = group_quant_fp8(k, F.silu(gate) * up, FP8_BLOCK)
+        return sglang_fp8_gemm(k, a, a_s, e.w2, e.s2, pair_ids, block_expert, post_padded,
+                               pairs, 1, routing)  # fmt: skip
+
+    def write_kv(self, cache: KVCache, new: torch.Tensor, slots: torch.Tensor) -> None:
+        if cache.scale is None:
+            cache.rows.index_copy_(0, slots, new)
+        else:
+            write_kv_fp8(new, cache.rows, cache.scale, slots)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
+        if cache.scale is None:
+            return paged_decode_mla_bf16(q, cache.rows, batch.table, sm_scale,
+                                         max_seq_len=batch.max_len)  # fmt: skip
+        return paged_decode_mla_fp8(q, cache.rows, cache.scale, batch.table, sm_scale,
+                                    max_seq_len=batch.max_len)  # fmt: skip
+
+    def integrity(self, batch: Batch) -> torch.Tensor:
+        return batch.integrity.step()
+
+
+class ReferenceOps(KernelOps):
+    """Pure torch, in fp32, rounding to BF16 where the kernels store BF16."""
+
+    def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        if lin.kind == "bf16":
+            return (x.float() @ lin.weight.float().T).to(torch.bfloat16)
+        if lin.kind == "int4":
+            return w4a16_matmul_reference(x, lin.weight).to(torch.bfloat16)
+        xq, xs = group_quant_ref(x, x.shape[1])
+        w = lin.weight.float() * lin.scale.view(-1, 1)
+        return (_dequant_groups(xq, xs) @ w.T).to(torch.bfloat16)
+
+    def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
+        used = r.ids.unique()
+        local = torch.searchsorted(used, r.ids)  # the reference dequantizes the used experts
+        if e.kind == "int4":
+
+            def pick(w: W4A16Weight) -> W4A16Weight:
+                return W4A16Weight(w.qweight[used], w.scales[used], None, w.group_size)
+
+            out = fused_moe_reference(x, pick(e.w13), pick(e.w2), r.weights, local)
+            return out.to(torch.bfloat16)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for j, expert in enumerate(used.tolist()):
+            rows = (local[:, 0] == j).nonzero().squeeze(1)
+            w13 = _dequant_block(e.w13[expert], e.s13[expert])
+            w2 = _dequant_block(e.w2[expert], e.s2[expert])
+            h = (_dequant_groups(*group_quant_ref(x[rows], FP8_BLOCK)) @ w13.T).to(torch.bfloat16)
+            gate, up = h.chunk(2, dim=-1)
+            act = _dequant_groups(*group_quant_ref(F.silu(gate) * up, FP8_BLOCK))
+            out[rows] = (r.weights[rows] * (act @ w2.T)).to(torch.bfloat16).float()
+        return out.to(torch.bfloat16)
+
+    def write_kv(self, cache: KVCache, new: torch.Tensor, slots: torch.Tensor) -> None:
+        if cache.scale is None:
+            cache.rows.index_copy_(0, slots, new)
+        else:
+            write_kv_fp8_ref(new, cache.rows, cache.scale, slots)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
+        if cache.scale is None:
+            out = paged_decode_mla_bf16_ref(q, cache.rows, batch.table, sm_scale)
+        else:
+            out = paged_decode_mla_fp8_ref(q, cache.rows, cache.scale, batch.table, sm_scale)
+        return out.to(torch.bfloat16)
+
+
+def _dequant_block(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    b = FP8_BLOCK
+    return w.float() * s.repeat_interleave(b, dim=0).repeat_interleave(b, dim=1)
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, NORM_EPS)
+
+
+class SliceStep:
+    """One GPU's decode step over ``batch``; ``ops`` picks the kernels or the reference."""
+
+    def __init__(self, shape: SliceShape, common: Common, weights: Weights,
+                 dense_caches: list[KVCache], moe_caches: list[KVCache], batch: Batch,
+                 routing: list[LayerRouting], ops: KernelOps) -> None:  # fmt: skip
+        self.s, self.common, self.w = shape, common, weights
+        self.dense_caches, self.moe_caches = dense_caches, moe_caches
+        self.batch, self.routing, self.ops = batch, routing, ops
+
+    def attention(self, a: Attention, cache: KVCache, x: torch.Tensor) -> torch.Tensor:
+        s, ops, n = self.s, self.ops, x.shape[0]
+        h = rms_norm(x, a.norm)
+        qkv = ops.linear(h, a.qkv_a)
+        q_c = rms_norm(qkv[:, : s.q_lora], a.q_norm)
+        kv_c = rms_norm(qkv[:, s.q_lora : s.q_lora + s.kv_lora], a.kv_norm)
+        for lin, src in zip(a.indexer, (q_c, h, h), strict=False):  # the indexer's GEMMs only
+            ops.linear(src, lin)
+        q = ops.linear(q_c, a.q_b).view(n, s.heads, s.qk_nope + s.rope)
+        q_mla = torch.empty(n, s.heads, s.latent_dim, dtype=torch.bfloat16, device=x.device)
+        q_mla[..., : s.kv_lora] = torch.bmm(q[..., : s.qk_nope].transpose(0, 1), a.w_kc).transpose(
+            0, 1
+        )
+        q_mla[..., s.kv_lora :] = q[..., s.qk_nope :]
+        new = torch.cat([kv_c, qkv[:, s.q_lora + s.kv_lora :]], dim=-1).unsqueeze(1)
+        ops.write_kv(cache, new, self.batch.new_slots)
+        o = ops.attend(q_mla, cache, self.batch, s.sm_scale)  # [B, heads, kv_lora]
+        v = torch.bmm(o.transpose(0, 1), a.w_vc).transpose(0, 1).reshape(n, s.heads * s.v_head)
+        return x + ops.linear(v, a.o)
+
+    def mlp(self, m: MLP, h: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(h, m.up)
+        width = gate_up.shape[1] // 2
+        return self.ops.linear(F.silu(gate_up[:, :width]) * gate_up[:, width:], m.down)
+
+    def dense_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        attn, mlp = self.w.dense[i]
+        x = self.attention(attn, self.dense_caches[i], x)
+        return x + self.mlp(mlp, rms_norm(x, mlp.norm))
+
+    def moe_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        attn, moe = self.w.moe[i]
+        r = self.routing[i]
+        x = self.attention(attn, self.moe_caches[i], x)
+        h = rms_norm(x, moe.norm)
+        logits = self.ops.linear(h, moe.router)
+        torch.topk(logits, self.s.top_k, dim=-1)  # its selection; the drawn routing replaces it
+        shared = self.mlp(moe.shared, h)
+        routed = self.ops.moe(h.index_select(0, r.tokens), moe.experts, r)
+        return x + shared.index_add_(0, r.tokens, routed)
+
+    def embed(self) -> torch.Tensor:
+        """Vocab-parallel lookup on shard 0: ids outside the shard give zero rows, which the
+        (unmodelled) all-reduce over the shards fills in."""
+        ids = self.batch.token_ids
+        inside = (ids < self.s.vocab_shard).unsqueeze(1)
+        rows = F.embedding(ids.clamp(max=self.s.vocab_shard - 1), self.common.embedding)
+        return rows * inside
+
+    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.ops.linear(rms_norm(x, self.common.final_norm), self.common.lm_head)
+        return logits, logits.argmax(dim=-1)
+
+    def rest(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per step: integrity check, embedding, the dense layers, final norm and head."""
+        if integrity:
+            self.ops.integrity(self.batch)
+        x = self.embed()
+        for i in range(len(self.w.dense)):
+            x = self.dense_layer(i, x)
+        return self.head(x)
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.w.moe)):
+            x = self.moe_layer(i, x)
+        return x
+
+    def step(self, integrity: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The slice's whole step in order (tests): (bad pages per request, logits, next ids)."""
+        bad = self.ops.integrity(self.batch) if integrity else torch.zeros(0)
+        x = self.embed()
+        for i in range(len(self.w.dense)):
+            x = self.dense_layer(i, x)
+        logits, ids = self.head(self.layers(x))
+        return bad, logits, ids
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def capture(fn: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` after warm-up calls (compilation and tuning stay outside)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
+def pick_sglang_config(k: SglangKernels, x: torch.Tensor, e: Experts,
+                       r: LayerRouting) -> dict[str, Any]:  # fmt: skip
+    """SGLang's FP8 MoE gets the best of its default and two tuned small-M tiles."""
+    from timing import graph_time_us
+
+    ops, times = KernelOps(k), {}
+    for i, cfg in enumerate(SGLANG_FP8_CONFIGS):
+        k.config = dict(cfg)
+        times[i] = graph_time_us(lambda _i: ops.sglang_moe(x, e, r), 1)
+    best = min(times, key=times.__getitem__)
+    k.config = dict(SGLANG_FP8_CONFIGS[best])
+    return {"config": k.config, "candidates_us": [round(times[i], 1) for i in sorted(times)]}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels,
+                device: torch.device) -> tuple[list[dict], dict]:  # fmt: skip
+    shape, choice = model_shape(name), MODELS[name]
+    t0 = time.time()
+    gen = Gen(device, seed=11)
+    common = build_common(shape, gen)
+    weights = {w: build_weights(shape, w, choice.int4_group, args.slice_layers, gen)
+               for w in WEIGHT_DTYPES}  # fmt: skip
+    torch.cuda.synchronize()
+    info: dict[str, Any] = {
+        "shape": vars(shape), "int4_group": choice.int4_group,
+        "slice_moe_layer_bytes": {w: weights[w].moe_layer_bytes() for w in WEIGHT_DTYPES},
+        "weights_built_s": round(time.time() - t0, 1), "pools": {}, "checks": {},
+        "sglang_fp8_moe": {},
+    }  # fmt: skip
+    print(f"[{name}] weights built in {info['weights_built_s']} s", flush=True)
+    routing = {c: layer_routings(shape, c, args.slice_layers, seed=1000 + c, device=device)
+               for c in args.concurrency}  # fmt: skip
+    rows = []
+    for w, kv in CONFIGS:
+        plan = pool_plan(name, w, kv)
+        info["pools"][f"{w}/{kv}"] = vars(plan) | {"pages": plan.pages}
+        levels = [c for c in args.concurrency if fits(c, plan.pages)]
+        for c in args.concurrency:
+            if c not in levels:
+                rows.append(_row(name, w, kv, c, plan, admitted=False))
+        if not levels:
+            continue
+        gen_kv = Gen(device, seed=23)
+        dense_caches = [new_cache(plan.pages, shape.latent_dim, kv, gen_kv)
+                        for _ in range(shape.dense_layers)]  # fmt: skip
+        moe_caches = [new_cache(plan.pages, shape.latent_dim, kv, gen_kv)
+                      for _ in range(args.slice_layers)]  # fmt: skip
+        for c in levels:
+            t1 = time.time()
+            batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
+            step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
+                             routing[c], KernelOps(sglang))  # fmt: skip
+            x_in = Gen(device, seed=c).randn(c, shape.hidden)
+            if w == "fp8":
+                key = str(c)
+                if key not in info["sglang_fp8_moe"]:
+                    r0, moe0 = routing[c][0], weights[w].moe[0][1]
+                    h0 = x_in.index_select(0, r0.tokens)
+                    info["sglang_fp8_moe"][key] = pick_sglang_config(sglang, h0, moe0.experts, r0)
+                sglang.config = dict(info["sglang_fp8_moe"][key]["config"])
+            if c == min(levels, key=lambda v: abs(v - 8)) and f"{w}/{kv}" not in info["checks"]:
+                info["checks"][f"{w}/{kv}"] = check_layer(step, x_in, c)
+            g_layers = capture(lambda step=step, x_in=x_in: step.layers(x_in))
+            g_off = capture(lambda step=step: step.rest(False))
+            g_on = capture(lambda step=step: step.rest(True))
+            samples = time_points(g_off, g_on, g_layers, args.replays)
+            bad = int(batch.integrity.step().sum().item())
+            row = _row(name, w, kv, c, plan, admitted=True)
+            row.update(summarize(samples, c, args.slice_layers, shape.moe_layers))
+            row.update({
+                "integrity_bad_pages": bad,
+                "critical_gpu_distinct_experts": [r.distinct_experts for r in routing[c]],
+                "mean_gpu_distinct_experts": round(
+                    sum(r.mean_distinct_experts for r in routing[c]) / len(routing[c]), 2),
+                "critical_gpu_pairs": [int(r.tokens.numel()) for r in routing[c]],
+                "seconds": round(time.time() - t1, 1),
+            })  # fmt: skip
+            rows.append(row)
+            print(f"[{name}] {config_label(w, kv):18s} c={c:4d} step {row['step_ms']:8.3f} ms "
+                  f"({row['tok_s']:8.0f} tok/s)  integrity +{row['integrity_step_pct']:.2f}% "
+                  f"p95 {row['p95_ms']:.3f}/{row['p95_ms_integrity']:.3f} ms  "
+                  f"bad pages {bad}  [{row['seconds']} s]", flush=True)  # fmt: skip
+            del g_layers, g_off, g_on, step, batch
+        del dense_caches, moe_caches
+        torch.cuda.empty_cache()
+    info["seconds"] = round(time.time() - t0, 1)
+    return rows, info
+
+
+def check_layer(step: SliceStep, x: torch.Tensor, c: int) -> dict[str, Any]:
+    """One MoE layer by the kernels and by the reference, same inputs (on the GPU)."""
+    out = step.moe_layer(0, x)
+    kernels_ops = step.ops
+    step.ops = ReferenceOps(kernels_ops.sglang)
+    ref = step.moe_layer(0, x)
+    step.ops = kernels_ops
+    return {"concurrency": c, "moe_layer_rel_l2": rel_l2(out, ref)}
+
+
+def time_points(g_off, g_on, g_layers, replays: int) -> dict[str, list[float]]:
+    """Interleaved replays: the two once-per-step graphs (alternating first) and the layers."""
+    for g in (g_off, g_on, g_layers):
+        replay_seconds(g)
+    out: dict[str, list[float]] = {"rest_off": [], "rest_on": [], "layers": []}
+    for i in range(replays):
+        pair = (("rest_off", g_off), ("rest_on", g_on))
+        for key, g in pair if i % 2 == 0 else pair[::-1]:
+            out[key].append(replay_seconds(g))
+        out["layers"].append(replay_seconds(g_layers))
+    return out
+
+
+def summarize(t: dict[str, list[float]], c: int, slice_layers: int, moe_layers: int) -> dict:
+    off = step_samples(t["rest_off"], t["layers"], slice_layers, moe_layers)
+    on = step_samples(t["rest_on"], t["layers"], slice_layers, moe_layers)
+    step_off, step_on = median(off), median(on)
+    ms = 1e3
+    return {
+        "rest_ms": median(t["rest_off"]) * ms, "rest_ms_integrity": median(t["rest_on"]) * ms,
+        "slice_layers_ms": median(t["layers"]) * ms,
+        "moe_layer_ms": median(t["layers"]) * ms / slice_layers,
+        "step_ms": step_off * ms, "step_ms_integrity": step_on * ms,
+        "p95_ms": percentile(off, 95) * ms, "p95_ms_integrity": percentile(on, 95) * ms,
+        "tok_s": c / step_off, "tok_s_integrity": c / step_on,
+        "integrity_step_pct": (step_on / step_off - 1) * 100,
+        "replays": len(off),
+    }  # fmt: skip
+
+
+def _row(model: str, w: str, kv: str, c: int, plan, admitted: bool) -> dict[str, Any]:
+    lengths = context_lengths(c)
+    return {
+        "model": model, "weights": w, "kv": kv, "concurrency": c, "admitted": admitted,
+        "status": "ok" if admitted else "out of memory",
+        "pool_tokens": plan.tokens, "pool_pages": plan.pages,
+        "pages_needed": sum(pages_for(n) for n in lengths), "context_tokens": sum(lengths),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def summary_lines(rows: list[dict], models: list[str], levels: list[int]) -> list[str]:
+    lines = []
+    for m in models:
+        lines.append(f"\n{m}: decode tok/s per replica (8 GPUs), integrity off")
+        lines += throughput_table(rows, m, levels)
+        for w in WEIGHT_DTYPES:
+            k = kv_comparison(rows, m, w)
+            if k:
+                per_request = k["per_request_slowdown"].items()
+                slow = ", ".join(f"{c}: {v * 100:+.1f}%" for c, v in per_request)
+                lines.append(
+                    f"  {w} weights, FP8 vs BF16 KV: admits {k['max_concurrency_fp8']} vs "
+                    f"{k['max_concurrency_bf16']} ({k['admitted_ratio']:.1f}x), peak "
+                    f"{k['peak_gain'] * 100:+.1f}%; per-request step time {slow}"
+                )  # fmt: skip
+        for kv in KV_DTYPES:
+            gains = weights_comparison(rows, m, kv)
+            if gains:
+                text = ", ".join(f"{c}: {g * 100:+.1f}%" for c, g in gains.items())
+                lines.append(f"  INT4 vs FP8 weights, {kv} KV: {text}")
+        cost = integrity_cost([r for r in rows if r["model"] == m])
+        if cost:
+            lines.append(
+                f"  integrity on: throughput -{cost['max_throughput_loss'] * 100:.2f}% worst "
+                f"(median -{cost['median_throughput_loss'] * 100:.2f}%), p95 step "
+                f"{cost['max_p95_increase'] * 100:+.2f}% worst"
+            )  # fmt: skip
+    return lines
+
+
+def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[str, Any]:
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+        except OSError:
+            return ""
+
+    try:
+        sglang_version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        sglang_version = args.sglang_version
+    return {
+        "device": torch.cuda.get_device_name(),
+        "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"),
+        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
+        "sglang_kernels": f"sglang {sglang_version}: {sglang_src.name}, fp8_kernel.py",
+        "commit": run("git", "rev-parse", "HEAD") or args.commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/decode_slice.py", *argv[1:]]),
+        "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
+                  "latent cache of every request on every GPU), MoE EP 8 (1/8 of the routed "
+                  "experts per GPU, shared expert and dense MLP split 8 ways)",
+        "scaling": "step = rest + layers x moe_layers / slice_layers, where rest is one replay "
+                   "of the once-per-step graph (integrity check when on, embedding, the dense "
+                   "layers, final norm, lm_head, argmax) and layers one replay of slice_layers "
+                   "distinct MoE layers (attention + MoE); samples pair the i-th replays; "
+                   "tok/s = concurrency / median step (per replica of 8 GPUs)",
+        "not_modelled": "all-reduce/all-to-all between GPUs, rotary embedding, DSA indexer "
+                        "scoring and sparse selection (GLM: dense MLA over all tokens)",
+        "routing": "uniform random top-k per token; per layer the slice computes the pairs of "
+                   "the GPU with the most distinct experts (the one the layer waits for)",
+        "context_mix": list(CONTEXT_MIX), "page_size": PAGE_SIZE,
+        "quantized_modules": list(QUANTIZED_MODULES),
+        "slice_layers": args.slice_layers, "replays": args.replays,
+        "sglang_fp8_configs": list(SGLANG_FP8_CONFIGS),
+    }  # fmt: skip
+
+
+def plot(results: Path, img_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(results.read_text())
+    rows, models = doc["rows"], list(doc["models"])
+    img_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for m in models:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for w, kv in CONFIGS:
+            mine = [r for r in rows if (r["model"], r["weights"], r["kv"]) == (m, w, kv)]
+            pts = sorted((r["concurrency"], r["tok_s"]) for r in mine if r["admitted"])
+            oom = [r["concurrency"] for r in mine if not r["admitted"]]
+            if pts:
+                line = ax.plot(*zip(*pts, strict=True), marker="o", label=config_label(w, kv))[0]
+                for c in oom:
+                    ax.annotate("OOM", (c, pts[-1][1]), color=line.get_color(), fontsize=7,
+                                ha="center")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("decode tok/s per replica (8 GPUs)")
+        ax.set_title(f"{m} decode slice on one H200 (scaled to the full model)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        path = img_dir / f"decode-slice-{m}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for m in models:
+        for w, kv in CONFIGS:
+            mine = [r for r in rows if (r["model"], r["weights"], r["kv"]) == (m, w, kv)]
+            pts = sorted((r["concurrency"], r["integrity_step_pct"]) for r in mine if r["admitted"])
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", label=f"{m} {config_label(w, kv)}")
+    ax.axhline(0.5, color="red", linestyle="--", linewidth=1, label="target 0.5%")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("median step time, on vs off (%)")
+    ax.set_title("integrity check cost per decode step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    path = img_dir / "decode-slice-integrity.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [*written, path]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    ap.add_argument("--slice-layers", type=int, default=8, help="distinct MoE layers timed")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--sglang-src", type=Path, help="folder with SGLang's kernel source files")
+    ap.add_argument("--sglang-version", default="0.5.23")
+    ap.add_argument("--commit", default="", help="recorded when git is not available")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
+    ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
+    args = ap.parse_args()
+    if args.plot:
+        for path in plot(args.plot, args.img_dir):
+            print(f"wrote {path}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    models = args.models.split(",")
+    sglang_src = find_sglang_source("fused_moe_triton_kernels.py", args.sglang_src)
+    sglang = load_sglang_kernels(args.sglang_src)
+    device = torch.device("cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode_slice{args.tag}.json"
+    doc: dict[str, Any] = {**meta(sys.argv, args, sglang_src), "models": {}, "rows": []}
+    t0 = time.time()
+    for m in models:
+        rows, info = bench_model(m, args, sglang, device)
+        doc["rows"] += rows
+        doc["models"][m] = info
+        doc["seconds"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(doc, indent=1))
+        torch.cuda.empty_cache()
+    doc["summary"] = {
+        m: {
+            "kv": {w: kv_comparison(doc["rows"], m, w) for w in WEIGHT_DTYPES},
+            "int4_vs_fp8": {kv: weights_comparison(doc["rows"], m, kv) for kv in KV_DTYPES},
+            "integrity": integrity_cost([r for r in doc["rows"] if r["model"] == m]),
+        }
+        for m in models
+    }
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {path} in {doc['seconds']} s")
+    print("\n".join(summary_lines(doc["rows"], models, args.concurrency)))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

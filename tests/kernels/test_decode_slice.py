@@ -1,0 +1,187 @@
+"""The decode-slice benchmark's step (bench/decode_slice.py) at tiny shapes: the kernels (under
+the Triton interpreter without a GPU) against the same step in pure torch, for every weight and
+KV precision, with the integrity check in the step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import decode_slice as ds  # noqa: E402
+from decode_slice_plan import SliceShape  # noqa: E402
+from tessera.kernels.page_tag_check import page_tag_check  # noqa: E402
+from tessera.kernels.w4a16_gemm import interpreted  # noqa: E402
+
+# Every dimension a multiple of the FP8 block (128) or the INT4 group where it must be, MLA with
+# a 64-wide latent + 64 rope dims, a DSA-style indexer, 2 GPUs' worth of 8 experts, top 2.
+TINY = SliceShape(
+    hidden=256, heads=2, q_lora=128, kv_lora=64, rope=64, qk_nope=32, v_head=32,
+    index_heads=2, index_dim=32, experts=8, local_experts=4, top_k=2, expert_width=128,
+    shared_width=64, dense_width=128, vocab_shard=64, dense_layers=1, moe_layers=2,
+)  # fmt: skip
+LENGTHS = [128, 64, 192]  # full pages, so each request decodes the last slot of a page
+POOL_PAGES = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_like_the_gpu():
+    """Make the Triton interpreter compute bf16 and e4m3 like the GPU, for this module only.
+
+    Its gaps (triton 3.9 on CPU): ``tl.dot`` multiplies bf16 and e4m3 operands as their raw
+    bits; fp32 -> bf16 casts truncate; its round-to-nearest cast to e4m3 drops the carry into
+    the exponent (127.9 becomes 64). Here dots widen to fp32 and those casts go through torch.
+    """
+    if not interpreted():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
+    as_torch = {tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
+                tl.float16: torch.float16, tl.float32: torch.float32}  # fmt: skip
+
+    def values(h) -> torch.Tensor:
+        raw = torch.from_numpy(np.ascontiguousarray(h.data))
+        return raw.view(as_torch[h.dtype.scalar])
+
+    def handle(t: torch.Tensor, dtype):
+        bits = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8}.get(t.dtype)
+        return interpreter.TensorHandle((t.view(bits) if bits else t).numpy(), dtype)
+
+    def widen(h):
+        if h.dtype.scalar not in (tl.bfloat16, tl.float8e4nv):
+            return h
+        return handle(values(h).float(), tl.float32)
+
+    def rounded(src, dst_type):
+        """fp -> bf16 / e4m3 rounded to nearest even by torch, or None for other casts."""
+        src_t, dst_t = src.dtype.scalar, dst_type.scalar
+        if src_t not in as_torch or dst_t not in (tl.bfloat16, tl.float8e4nv) or src_t == dst_t:
+            return None
+        return handle(values(src).float().to(as_torch[dst_t]), dst_t)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        out = rounded(src, dst_type)
+        return out if out is not None else cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        out = rounded(src, dst_type)
+        return out if out is not None else fp_to_fp(self, src, dst_type, rounding_mode)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "create_dot", create_dot)
+        mp.setattr(builder, "cast_impl", cast_impl)
+        mp.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+        mp.setattr(builder, "create_fp_trunc", lambda self, src, t: self.cast_impl(src, t))
+        yield
+
+
+@pytest.fixture(scope="module")
+def sglang() -> ds.SglangKernels:
+    try:
+        kernels = ds.load_sglang_kernels()
+    except FileNotFoundError:
+        pytest.skip("SGLang's kernel sources are not installed")
+    kernels.config = dict(ds.SGLANG_FP8_CONFIGS[1])
+    return kernels
+
+
+def _clone(cache: ds.KVCache) -> ds.KVCache:
+    return ds.KVCache(cache.rows.clone(), cache.scale)
+
+
+# e4m3 activations are re-quantized at every FP8 linear: when the two sides' BF16 inputs differ
+# in the last bit, a value can round to the next e4m3 step (6-12% of it), so FP8-weight errors
+# grow from layer to layer. A wrong index or scale gives errors near 1.
+STEP_TOL = {"fp8": 0.12, "int4": 3e-2}
+LAYER_TOL = {"fp8": 4e-2, "int4": 1e-2}
+
+
+def _pair(weights: str, kv: str, sglang) -> tuple[ds.SliceStep, ds.SliceStep]:
+    """The slice step on the kernels and on the reference, over equal copies of one KV pool."""
+    device = torch.device("cpu")
+    gen = ds.Gen(device, seed=5)
+    common = ds.build_common(TINY, gen)
+    w = ds.build_weights(TINY, weights, 32, moe_layers=2, gen=gen)
+    dense = [ds.new_cache(POOL_PAGES, TINY.latent_dim, kv, gen)]
+    moe = [ds.new_cache(POOL_PAGES, TINY.latent_dim, kv, gen) for _ in range(2)]
+    batch = ds.build_batch(LENGTHS, POOL_PAGES, TINY.vocab_shard, seed=3, device=device)
+    routing = ds.layer_routings(TINY, len(LENGTHS), 2, seed=7, device=device)
+    step = ds.SliceStep(TINY, common, w, dense, moe, batch, routing, ds.KernelOps(sglang))
+    ref = ds.SliceStep(
+        TINY, common, w, [_clone(c) for c in dense], [_clone(c) for c in moe], batch, routing,
+        ds.ReferenceOps(sglang),
+    )  # fmt: skip
+    return step, ref
+
+
+def _stored(cache: ds.KVCache, slots: torch.Tensor) -> torch.Tensor:
+    rows = cache.rows[slots].float()
+    return rows if cache.scale is None else rows * cache.scale
+
+
+CONFIGS = [("fp8", "bf16"), ("fp8", "fp8_e4m3"), ("int4", "bf16"), ("int4", "fp8_e4m3")]
+
+
+@pytest.mark.parametrize("weights,kv", CONFIGS)
+def test_slice_step_matches_torch_reference(weights: str, kv: str, sglang) -> None:
+    step, ref = _pair(weights, kv, sglang)
+    slots = step.batch.new_slots
+    before = [_stored(c, slots) for c in step.dense_caches + step.moe_caches]
+    bad, logits, _ = step.step()
+    ref_bad, ref_logits, _ = ref.step()
+
+    assert torch.isfinite(logits.float()).all()
+    assert bad.tolist() == ref_bad.tolist() == [0] * len(LENGTHS)
+    assert ds.rel_l2(logits, ref_logits) < STEP_TOL[weights]
+    # every layer stored the new token's latent in the slot the page table gives it
+    mine, theirs = step.dense_caches + step.moe_caches, ref.dense_caches + ref.moe_caches
+    caches = zip(mine, theirs, before, strict=True)
+    for cache, ref_cache, old in caches:
+        new = _stored(cache, slots)
+        assert ds.rel_l2(new, _stored(ref_cache, slots)) < STEP_TOL[weights]
+        assert ds.rel_l2(new, old) > 0.5
+
+
+@pytest.mark.parametrize("weights,kv", CONFIGS)
+def test_each_layer_matches_torch_reference(weights: str, kv: str, sglang) -> None:
+    """One dense and one MoE layer on the same input: the kernels against the reference."""
+    step, ref = _pair(weights, kv, sglang)
+    x = ds.Gen(torch.device("cpu"), seed=9).randn(len(LENGTHS), TINY.hidden)
+    for layer in ("dense_layer", "moe_layer"):
+        out, expected = getattr(step, layer)(0, x), getattr(ref, layer)(0, x)
+        assert ds.rel_l2(out - x, expected - x) < LAYER_TOL[weights], layer
+
+
+def test_integrity_state_checks_clean_and_flags_a_reused_page() -> None:
+    batch = ds.build_batch(LENGTHS, POOL_PAGES, TINY.vocab_shard, 3, torch.device("cpu"))
+    check = batch.integrity
+    t = check.tracker
+    args = (check.table, t.page_size, check.rows, (check.seq_lens + 63) // 64,
+            t.expected_pages[:-1], t.expected_tags[:-1], t.tags)  # fmt: skip
+    assert page_tag_check(*args).tolist() == [0, 0, 0]  # the Triton kernel (interpreted)
+    assert check.step().tolist() == [0, 0, 0]  # the tracker's own per-step work
+    # request 1's only page is freed and handed out again: only request 1 is flagged
+    page = int(check.table[1, 0]) // 64
+    t.on_free(torch.tensor([page]))
+    t.on_alloc(torch.tensor([page * 64]))
+    assert check.step().tolist() == [0, 1, 0]
+
+
+def test_slice_routing_rows_are_the_critical_gpus_pairs() -> None:
+    routing = ds.layer_routings(TINY, 16, 3, seed=1, device=torch.device("cpu"))
+    for r in routing:
+        assert r.ids.shape == r.weights.shape == (r.tokens.numel(), 1)
+        assert int(r.ids.max()) < TINY.local_experts
+        assert r.distinct_experts == r.ids.unique().numel() >= r.mean_distinct_experts
