@@ -7,8 +7,11 @@ int4 fused-MoE kernel (``fused_moe_kernel_gptq_awq``, read from SGLang's source 
 few configs). Every timing is a CUDA-graph replay of many calls cycling through several weight
 and input sets (working set above the 60 MB L2), median of replays, all in this one run.
 
-    python bench/w4a16_bench.py [--quick] [--sglang-kernels PATH] [--out DIR] [--tag _v2]
+    python bench/w4a16_bench.py [--quick] [--m 1,16,512] [--candidates] [--sglang-kernels PATH]
+                                [--out DIR] [--tag _v3]
 
+``--candidates`` also times every tile the GEMM tuner may pick, side by side, and the parts of
+the MoE forward (alignment, both GEMMs, top-k sum) against the torch ops they replaced.
 Prints a table last and writes w4a16_gemm<tag>.json and w4a16_moe<tag>.json under --out.
 """
 
@@ -29,9 +32,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
-from tessera.kernels.w4a16_gemm import _TUNED, _m_bucket, w4a16_matmul
-from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
+from tessera.kernels.w4a16_gemm import _TUNED, _candidates, _m_bucket, w4a16_matmul
+from tessera.kernels.w4a16_moe import (
+    _topk_sum,
+    align_to_experts,
+    fused_moe,
+    fused_moe_reference,
+    moe_gemm,
+)
 from timing import graph_time_us
 
 L2_BYTES = 60 * 2**20
@@ -63,15 +73,15 @@ def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(4 * L2_BYTES / nbytes))
 
 
-def bench_gemm(m_values, shapes) -> list[dict]:
+def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
-        rows += bench_gemm_shape(name, n, k, group, m_values)
+        rows += bench_gemm_shape(name, n, k, group, m_values, candidates)
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values) -> list[dict]:
+def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates) -> list[dict]:
     rows = []
     w_bytes = n * k // 2 + n * (k // group) * 2
     sets = min(copies_for(w_bytes), 8)
@@ -98,9 +108,20 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values) -> list[di
         except RuntimeError as e:  # cuBLASLt fp8 shape limits
             print(f"_scaled_mm M={m}: {e}".splitlines()[0], file=sys.stderr)
             t_fp8 = float("nan")
+        per_config = {}
+        if candidates:  # every tile the tuner may pick, timed the same way, side by side
+            for cfg in _candidates(m, n, k):
+                per_config[_short(cfg)] = graph_time_us(
+                    lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
+                )
+            print(f"  M={m} candidates (us): "
+                  + ", ".join(f"{c} {t:.1f}" for c, t in sorted(per_config.items(),
+                                                                key=lambda kv: kv[1])),
+                  flush=True)  # fmt: skip
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
+            "candidates_us": per_config,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
@@ -113,6 +134,15 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values) -> list[di
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}",
               flush=True)  # fmt: skip
     return rows
+
+
+def _short(cfg) -> str:
+    """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits."""
+    if getattr(cfg, "path", "triton") != "triton":
+        return cfg.path
+    text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+    split = getattr(cfg, "split_k", 1)
+    return text + (f"k{split}{'f' if cfg.fused_reduce else 'a'}" if split > 1 else "")
 
 
 def load_sglang_moe_kernel(path: Path):
@@ -192,15 +222,57 @@ def routings(tokens, experts, top_k, count):
     return out
 
 
-def bench_moe(token_values, shapes, sglang_kernel) -> list[dict]:
+def bench_moe(token_values, shapes, sglang_kernel, candidates: bool) -> list[dict]:
     rows = []
     for name, shape in shapes.items():
-        rows += bench_moe_shape(name, *shape, token_values, sglang_kernel)
+        rows += bench_moe_shape(name, *shape, token_values, sglang_kernel, candidates)
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_moe_shape(name, experts, hidden, inter, top_k, group, token_values, sglang_kernel):
+def moe_parts(x, w, rs, top_k, cfgs) -> dict:
+    """Time each launch of the fused MoE forward (tuned tiles ``cfgs``) and the torch ops it
+    replaced: the alignment (one Triton program vs about twenty torch ops), the up GEMM with
+    SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the top-k sum."""
+    (w13, w2), (up, down) = w, cfgs
+    experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
+    tokens = x.shape[0]
+    pairs = tokens * top_k
+    aligned = [align_to_experts(r[1], experts, up.block_m) for r in rs]
+    act = moe_gemm(x, w13, *aligned[0], pairs, top_k, up, silu_mul=True)
+    routing = [r[0].reshape(-1) for r in rs]
+    out = moe_gemm(act, w2, *aligned[0], pairs, 1, down, routing[0])
+
+    def torch_align(i):
+        saved = w4a16_moe.ALIGN_KERNEL_MAX_PAIRS
+        w4a16_moe.ALIGN_KERNEL_MAX_PAIRS = 0
+        try:
+            return align_to_experts(rs[i][1], experts, up.block_m)
+        finally:
+            w4a16_moe.ALIGN_KERNEL_MAX_PAIRS = saved
+
+    def up_then_silu(i):
+        h = moe_gemm(x, w13, *aligned[i], pairs, top_k, up)
+        gate, upper = h.chunk(2, dim=-1)
+        return (F.silu(gate.float()) * upper.float()).to(torch.bfloat16)
+
+    times = {
+        "align_kernel": lambda i: align_to_experts(rs[i][1], experts, up.block_m),
+        "align_torch_ops": torch_align,
+        "up_gemm_silu_fused": lambda i: moe_gemm(x, w13, *aligned[i], pairs, top_k, up,
+                                                 silu_mul=True),
+        "up_gemm_then_torch_silu": up_then_silu,
+        "down_gemm": lambda i: moe_gemm(act, w2, *aligned[i], pairs, 1, down, routing[i]),
+        "topk_sum_kernel": lambda i: _topk_sum(out, tokens, top_k),
+        "topk_sum_torch_ops": lambda i: out.view(tokens, top_k, -1).sum(
+            1, dtype=torch.float32).to(torch.bfloat16),
+    }  # fmt: skip
+    return {part: graph_time_us(fn, len(rs)) for part, fn in times.items()}
+
+
+def bench_moe_shape(
+    name, experts, hidden, inter, top_k, group, token_values, sglang_kernel, candidates
+):  # fmt: skip
     rows = []
     w13 = random_int4((experts, 2 * inter, hidden), group)
     w2 = random_int4((experts, hidden, inter), group)
@@ -235,6 +307,20 @@ def bench_moe_shape(name, experts, hidden, inter, top_k, group, token_values, sg
                 if not t >= t_sg:
                     t_sg, best_cfg = t, cfg
         touched = statistics.mean(r[1].unique().numel() for r in rs)
+        parts = {}
+        if candidates:
+            tuned = {key[0]: v for key, v in _TUNED.items()
+                     if key[0].startswith("moe") and key[1] == tokens}  # fmt: skip
+            for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
+                cfgs = _TUNED[("moe_down", tokens, experts, (hidden,), kind,
+                               torch.cuda.get_device_name())]  # fmt: skip
+                parts[kind] = moe_parts(xs[0], w, rs, top_k, cfgs)
+                parts[kind]["tiles"] = [_short(c) for c in cfgs]
+                print(f"  T={tokens} {kind} parts (us): "
+                      + ", ".join(f"{p} {t:.1f}" for p, t in parts[kind].items()
+                                  if p != "tiles") + f" tiles {parts[kind]['tiles']}",
+                      flush=True)  # fmt: skip
+            del tuned
         rows.append({
             "shape": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
             "group": group, "tokens": tokens, "int4_us": t_int4, "bf16_experts_us": t_bf16,
@@ -243,6 +329,7 @@ def bench_moe_shape(name, experts, hidden, inter, top_k, group, token_values, sg
             "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
             "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
                               if key[0].startswith("moe") and key[1] == tokens},
+            "parts_us": parts,
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
@@ -282,6 +369,9 @@ def meta(argv) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes and sizes")
+    ap.add_argument("--m", help="GEMM batch sizes, comma-separated (overrides the default set)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also time every GEMM tile candidate and the MoE's parts")  # fmt: skip
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -292,13 +382,18 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     kernel = load_sglang_moe_kernel(args.sglang_kernels) if args.sglang_kernels else None
     m_values = (1, 4, 16, 64) if args.quick else M_VALUES
+    if args.m:
+        m_values = tuple(int(v) for v in args.m.split(","))
     gemm_shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
     tokens = (1, 16, 64) if args.quick else MOE_TOKENS
     moe_shapes = dict(list(MOE_SHAPES.items())[:1]) if args.quick else MOE_SHAPES
     t0 = time.time()
     results = {}
-    for part, run in (("gemm", lambda: bench_gemm(m_values, gemm_shapes)),
-                      ("moe", lambda: bench_moe(tokens, moe_shapes, kernel))):  # fmt: skip
+    runs = {
+        "gemm": lambda: bench_gemm(m_values, gemm_shapes, args.candidates),
+        "moe": lambda: bench_moe(tokens, moe_shapes, kernel, args.candidates),
+    }
+    for part, run in runs.items():
         if args.only in (None, part):
             results[part] = run()
             doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": results[part]}

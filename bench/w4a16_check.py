@@ -66,18 +66,22 @@ def gemm_configs() -> list[tuple]:
         for m in BENCH_M:
             jobs += [(n, k, group, True, m, c) for c in _candidates(m, n, k)]
     for n, k, group, sym, ms in EXTRA_GEMM:
-        for m in ms:
-            jobs.append((n, k, group, sym, m, _candidates(m, n, k)[1]))
+        for m in ms:  # the first candidate (weights first) and the last (the other orientation)
+            cands = _candidates(m, n, k)
+            jobs += [(n, k, group, sym, m, c) for c in (cands[0], cands[-1])]
     # the plain-Triton decode and the PTX decode of the same unsplit tile (split-K would add
     # the splits in any order): group 128 with zero points, and group 32
-    for n, k, group, sym, m, bn in (
-        (16384, 7168, 128, False, 1, 256),
-        (7168, 2048, 32, True, 16, 128),
+    for n, k, group, sym, m, bm, bn, swap in (
+        (16384, 7168, 128, False, 1, 16, 256, False),
+        (7168, 2048, 32, True, 16, 16, 128, False),
+        (16384, 7168, 128, False, 1, 8, 256, True),
+        (7168, 2048, 32, True, 16, 8, 128, True),
     ):
         if BENCH_GEMM[0][0] < 1000:  # --smoke
             n, k = 64, 256
         for fast in (False, True):
-            jobs.append((n, k, group, sym, m, GemmConfig(block_n=bn, fast_decode=fast)))
+            cfg = GemmConfig(block_m=bm, block_n=bn, fast_decode=fast, swap=swap)
+            jobs.append((n, k, group, sym, m, cfg))
     return jobs
 
 
@@ -86,7 +90,9 @@ def moe_configs() -> list[tuple]:
     cands = {c for t in MOE_TOKENS for c in moe_candidates(t * top_k, experts)}
     cands = sorted(cands, key=str)
     jobs = [(True, c) for c in cands] + [(False, c) for c in cands]
-    return [*jobs, (True, MoeConfig(block_n=128, fast_decode=False))]
+    plain = [MoeConfig(block_n=128, fast_decode=False),
+             MoeConfig(8, 128, fast_decode=False, swap=True)]  # fmt: skip
+    return [*jobs, *((True, c) for c in plain)]
 
 
 def _compile_job(job: tuple) -> str:
@@ -197,7 +203,7 @@ def check_moe() -> list[dict]:
         ref = fused_moe_reference(x, w13, w2, wts, ids)
         ref16 = fused_moe_reference(x, b13, b2, wts, ids)
         for int4, cfg in moe_configs():
-            if cfg.block_m != moe_candidates(tokens * top_k, experts)[0].block_m:
+            if cfg not in moe_candidates(tokens * top_k, experts):
                 continue
             out = fused_moe(x, *((w13, w2) if int4 else (b13, b2)), wts, ids, configs=(cfg, cfg))
             err = rel_l2(out, ref if int4 else ref16)
@@ -206,14 +212,16 @@ def check_moe() -> list[dict]:
                          "rel_l2": err, "ok": ok})  # fmt: skip
             print(f"moe {'int4' if int4 else 'bf16'} T={tokens} {cfg}: rel-L2 {err:.2e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
-        plain = MoeConfig(block_n=128, fast_decode=False)
-        fast = MoeConfig(block_n=128)
-        a = fused_moe(x, w13, w2, wts, ids, configs=(plain, plain))
-        b = fused_moe(x, w13, w2, wts, ids, configs=(fast, fast))
-        diff = (a.float() - b.float()).abs().max().item()
-        rows.append({"kind": "moe fast vs plain decode", "tokens": tokens, "max_abs_diff": diff,
-                     "ok": diff == 0.0})  # fmt: skip
-        print(f"moe T={tokens} PTX vs plain decode: max |diff| {diff}", flush=True)
+        for plain in (MoeConfig(block_n=128, fast_decode=False),
+                      MoeConfig(8, 128, fast_decode=False, swap=True)):  # fmt: skip
+            fast = MoeConfig(**{**asdict(plain), "fast_decode": True})
+            a = fused_moe(x, w13, w2, wts, ids, configs=(plain, plain))
+            b = fused_moe(x, w13, w2, wts, ids, configs=(fast, fast))
+            diff = (a.float() - b.float()).abs().max().item()
+            rows.append({"kind": "moe fast vs plain decode", "tokens": tokens,
+                         "config": asdict(fast), "max_abs_diff": diff,
+                         "ok": diff == 0.0})  # fmt: skip
+            print(f"moe T={tokens} {fast} PTX vs plain decode: max |diff| {diff}", flush=True)
     return rows
 
 

@@ -32,7 +32,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 GEMM_SIGNATURE = {
     "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
     "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-    "M": "i32", "N": "i32", "K": "i32",
+    "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
     "stride_xm": "i32", "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
 MOE_SIGNATURE = {
@@ -42,7 +42,7 @@ MOE_SIGNATURE = {
     "stride_xm": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_se": "i32",
     "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
-NOT_DIVISIBLE = {"M", "num_pairs", "rows_per_x"}
+NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
     (16, 64, 128, 4, 4),
     (16, 128, 128, 4, 4),
@@ -53,20 +53,26 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
 ]
 
 
-def compile_cubin(cfg: tuple[int, ...], fast: bool = True, moe: bool = False) -> bytes:
+def compile_cubin(
+    cfg: tuple[int, ...],
+    fast: bool = True,
+    moe: bool = False,
+    swap: bool = False,
+    silu: bool = False,
+) -> bytes:
     bm, bn, group, warps, *rest = cfg
     stages = rest[0] if rest else 4
     block_k = rest[1] if len(rest) > 1 else 128
     common = {
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
-        "FAST": fast, "EVEN_K": True, "EVEN_N": True,
+        "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap,
     }  # fmt: skip
     if moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
-        constexprs = {**common, "INT4": True, "MUL_ROUTING": False}
+        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu}
     else:
         fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
-        constexprs = {**common, "SPLIT_K": 1}
+        constexprs = {**common, "SPLIT": False}
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
@@ -111,16 +117,21 @@ def main() -> None:
     ap.add_argument("configs", nargs="*", help="BLOCK_M,BLOCK_N,group,warps[,stages[,BLOCK_K]]")
     ap.add_argument("--plain", action="store_true", help="plain-Triton decode (FAST=False)")
     ap.add_argument("--moe", action="store_true", help="the MoE grouped GEMM kernel")
+    ap.add_argument("--swap", action="store_true", help="weights as the dot's first operand")
+    ap.add_argument("--silu", action="store_true", help="MoE up GEMM with SiLU-and-mul epilogue")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or CONFIGS
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
     kind = ("moe" if args.moe else "gemm") + ("-plain" if args.plain else "")
+    kind += ("-swap" if args.swap else "") + ("-silu" if args.silu else "")
     for cfg in configs:
         bm, bn, group, warps, *rest = cfg
         block_k = rest[1] if len(rest) > 1 else 128
         cubin = scratch / f"w4a16_{kind}_{'_'.join(map(str, cfg))}.cubin"
-        cubin.write_bytes(compile_cubin(cfg, fast=not args.plain, moe=args.moe))
+        cubin.write_bytes(
+            compile_cubin(cfg, fast=not args.plain, moe=args.moe, swap=args.swap, silu=args.silu)
+        )
         ops = loop_opcodes(cubin)
         weights_per_thread = bn * block_k // (32 * warps)  # one K step
         total = sum(ops.values())

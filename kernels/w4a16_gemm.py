@@ -110,21 +110,28 @@ def _plane_scaled(words, i: tl.constexpr, neg_zero, scale, FAST: tl.constexpr):
 def _load_groups(
     s_ptr, z_ptr, step, offs_r, offs_n, n_mask, row_end, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """Scales (as stored) and bf16 ``-(128 + zero)`` of K step ``step``: ``[1, BN]`` when one group
-    spans the step, else ``[R, BN]`` (one row per word row)."""
+    spans the step, else ``[R, BN]`` (one row per word row); transposed with ``SWAP``."""
     R: tl.constexpr = BLOCK_K // 8
     one_group: tl.constexpr = GROUP % BLOCK_K == 0
     rows = step * R + offs_r
     if one_group:
-        g_off = (step * BLOCK_K // GROUP) * stride_sk + offs_n[None, :]
+        g_row = tl.full((1,), step * BLOCK_K // GROUP, tl.int32)
+        r_mask = tl.full((1,), 1, tl.int1)
     else:
-        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+        g_row = rows // (GROUP // 8)
+        r_mask = rows < row_end
+    if SWAP:
+        g_off = g_row[None, :] * stride_sk + offs_n[:, None]
+        g_mask = r_mask[None, :] & n_mask[:, None]
+    else:
+        g_off = g_row[:, None] * stride_sk + offs_n[None, :]
+        g_mask = r_mask[:, None] & n_mask[None, :]
     if EVEN_N and (one_group or EVEN_K):
         scale = tl.load(s_ptr + g_off)
     else:
-        g_mask = n_mask[None, :] if one_group else (rows < row_end)[:, None] & n_mask[None, :]
         scale = tl.load(s_ptr + g_off, mask=g_mask, other=0.0)
     if HAS_ZEROS:
         if EVEN_N and (one_group or EVEN_K):
@@ -139,7 +146,7 @@ def _load_groups(
 
 @triton.jit
 def _planes(x):
-    """``x [BM, R, 8]`` -> its eight ``[BM, R]`` slices ``x[:, :, i]`` (register moves only)."""
+    """``x [A, B, 8]`` -> its eight ``[A, B]`` slices ``x[:, :, i]`` (register moves only)."""
     BM: tl.constexpr = x.shape[0]
     R: tl.constexpr = x.shape[1]
     e, o = tl.split(tl.reshape(x, (BM, R, 4, 2)))  # i even, odd
@@ -153,25 +160,50 @@ def _planes(x):
 
 
 @triton.jit
+def _x_planes(
+    x_rows, m_mask, step, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr
+):  # fmt: skip
+    """The eight strided activation planes ``x[:, step * BLOCK_K + i :: 8]`` of K step ``step``,
+    ``[BM, R]`` each (the dot's first operand), or ``[R, BM]`` with ``SWAP`` (its second), from one
+    contiguous tile load that Triton pipelines; ``x_rows`` is ``[BM, 1]`` row pointers."""
+    R: tl.constexpr = BLOCK_K // 8
+    x_k = step * BLOCK_K + tl.arange(0, R) * 8
+    if SWAP:  # [R, BM, 8]
+        x_ptrs = x_rows[None, :, :] + x_k[:, None, None] + tl.arange(0, 8)[None, None, :]
+        x_mask = m_mask[None, :, None] & (x_k < K)[:, None, None]
+    else:  # [BM, R, 8]
+        x_ptrs = x_rows[:, :, None] + x_k[None, :, None] + tl.arange(0, 8)[None, None, :]
+        x_mask = m_mask[:, None, None] & (x_k < K)[None, :, None]
+    if EVEN_K:
+        x_mask = m_mask[None, :, None] if SWAP else m_mask[:, None, None]
+    return _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
+
+
+@triton.jit
 def _w4a16_accumulate(
     acc, x_rows, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask,
     K, stride_qk, stride_sk, step_begin, step_end,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr = True, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
-    """acc[BM, BN] += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
-    ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element.
+    """acc += x[rows, K steps] @ dequant(W)[K steps, offs_n] over K steps
+    ``[step_begin, step_end)``; ``x_rows`` points at each activation row's first element. ``acc``
+    is ``[BM, BN]``, or with ``SWAP`` its transpose ``[BN, BM]``: the weights are then the
+    tensor-core dot's first operand, whose row count is the output columns, so a token tile may
+    be 8 rows (``m16n8k16``) instead of 16, half the tensor-core work at M <= 8.
 
     Per step of ``BLOCK_K = 8 R`` inputs: one ``[R, BN]`` tile of words, and for each nibble plane
     ``i`` a ``[BM, R] x [R, BN]`` dot with the strided activations ``x[:, i::8]`` (loaded as one
     contiguous ``[BM, R, 8]`` tile, which Triton pipelines, and split in registers). With one group
-    per step the weights go into the dot as ``128 + code`` and a second dot with the constant
-    ``-(128 + zero)`` removes the offset (cheaper than a subtraction per weight; exact products,
-    fp32 sums); the scale then multiplies the ``[BM, BN]`` partial sum. With smaller groups each
-    weight is decoded to ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode
-    (GPU); the plain-Triton decode computes the same bf16 values (for the CPU interpreter).
-    Triton's software pipelining (``num_stages``) prefetches words and activations into shared
-    memory; scales and zeros are loaded one step ahead by hand.
+    per step the weights go into the dot as ``128 + code`` and the offset ``-(128 + zero[n])``
+    comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])``, with ``xsum`` (the step's sum of
+    each activation row) from one small dot per plane against ones; the scale then multiplies the
+    ``[BM, BN]`` partial sum. With smaller groups each weight is decoded to
+    ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode (GPU); the
+    plain-Triton decode computes the same bf16 values (for the CPU interpreter). Triton's software
+    pipelining (``num_stages``) prefetches words and activations into shared memory; scales and
+    zeros are loaded one step ahead by hand.
     """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
@@ -182,60 +214,72 @@ def _w4a16_accumulate(
     last_step = tl.cdiv(K, BLOCK_K) - 1
     scale, neg_zero = _load_groups(
         s_ptr, z_ptr, tl.minimum(step_begin, last_step), offs_r, offs_n, n_mask, row_end, stride_sk,
-        GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N,
+        GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N, SWAP,
     )  # fmt: skip
     for step in range(step_begin, step_end):
         rows = step * R + offs_r
-        if EVEN_K and EVEN_N:
-            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :])
+        if SWAP:  # [BN, R]: the words as the dot's first operand wants them
+            w_ptrs = qw_ptr + rows[None, :] * stride_qk + offs_n[:, None]
+            w_mask = (rows < row_end)[None, :] & n_mask[:, None]
         else:
+            w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
             w_mask = (rows < row_end)[:, None] & n_mask[None, :]
-            words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=w_mask,
-                            other=0)  # fmt: skip
+        if EVEN_K and EVEN_N:
+            words = tl.load(w_ptrs)
+        else:
+            words = tl.load(w_ptrs, mask=w_mask, other=0)
         # one step ahead for the one [1, BN] row of a step-wide group; smaller groups load
         # [R, BN] in this step (a carried copy would cost a layout change through shared memory)
         next_scale, next_neg_zero = _load_groups(
             s_ptr, z_ptr, tl.minimum(step + 1, last_step) if one_group else step, offs_r,
-            offs_n, n_mask, row_end, stride_sk, GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N,
+            offs_n, n_mask, row_end, stride_sk, GROUP, HAS_ZEROS, BLOCK_K, EVEN_K, EVEN_N, SWAP,
         )  # fmt: skip
         if not one_group:
             scale, neg_zero = next_scale, next_neg_zero
-        x_k = step * BLOCK_K + offs_r * 8
-        x_ptrs = x_rows[:, :, None] + x_k[None, :, None] + tl.arange(0, 8)[None, None, :]
-        if EVEN_K:
-            x_mask = m_mask[:, None, None]
-        else:
-            x_mask = m_mask[:, None, None] & (x_k < K)[None, :, None]
-        xs = _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
+        xs = _x_planes(x_rows, m_mask, step, K, BLOCK_K, EVEN_K, SWAP)
         if one_group:
-            offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
             part = tl.zeros(acc.shape, dtype=tl.float32)
-            for i in tl.static_range(8):
-                part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
-                part = tl.dot(xs[i], offset, part)
-            acc += part * scale.to(tl.float32)
+            if SWAP:
+                ones = tl.full((16, R), 1.0, tl.bfloat16)
+                sums = tl.zeros((16, acc.shape[1]), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    part = tl.dot(_plane_raw(words, i, FAST), xs[i], part)
+                    sums = tl.dot(ones, xs[i], sums)
+                xsum = tl.max(sums, axis=0)[None, :]  # every row holds the sum
+                acc += (part + neg_zero.to(tl.float32) * xsum) * scale.to(tl.float32)
+            else:  # a rank-1 term here measured slower offline (layout changes, spills)
+                offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
+                for i in tl.static_range(8):
+                    part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
+                    part = tl.dot(xs[i], offset, part)
+                acc += part * scale.to(tl.float32)
         else:
             for i in tl.static_range(8):
                 if s_ptr.dtype.element_ty == tl.bfloat16:
                     w = _plane_scaled(words, i, neg_zero, scale, FAST)
                 else:  # fp16 scales: keep them exact (fp32 maths), no packed bf16 scale
                     w = _plane_scaled(words, i, neg_zero, scale, False)
-                acc = tl.dot(xs[i], w, acc)
+                if SWAP:
+                    acc = tl.dot(w, xs[i], acc)
+                else:
+                    acc = tl.dot(xs[i], w, acc)
         scale, neg_zero = next_scale, next_neg_zero
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for every M of a tile
+# one compile for every M of a tile, and for every split count
+@triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K,
+    M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr = False,
+    SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):  # fmt: skip
-    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one K split.
+    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
+    splits (``SPLIT``: ``split_k > 1``).
 
     Split K: without ``FUSED_REDUCE`` every split adds into an fp32 ``out`` (zeroed, then cast by
     the caller). With it, splits add into the fp32 workspace ``ws [M, N]`` and count themselves in
@@ -248,23 +292,31 @@ def _w4a16_gemm_kernel(
     offs_m = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k)
     step_end = tl.minimum(tl.cdiv(K, BLOCK_K), (pid_k + 1) * per_split)
     acc = _w4a16_accumulate(
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr + offs_m[:, None] * stride_xm,
-        m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, stride_qk, stride_sk,
-        pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N,
+        tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32),
+        x_ptr + offs_m[:, None] * stride_xm, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K,
+        stride_qk, stride_sk, pid_k * per_split, step_end, GROUP, HAS_ZEROS, BLOCK_K, FAST,
+        EVEN_K, EVEN_N, SWAP,
     )  # fmt: skip
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    o_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if SWAP:  # acc is [BN, BM]: address the output transposed
+        idx = offs_m[None, :] * stride_om + offs_n[:, None]
+        ws_idx = offs_m[None, :] * N + offs_n[:, None]
+        o_mask = m_mask[None, :] & n_mask[:, None]
+    else:
+        idx = offs_m[:, None] * stride_om + offs_n[None, :]
+        ws_idx = offs_m[:, None] * N + offs_n[None, :]
+        o_mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + idx
+    if not SPLIT:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     elif FUSED_REDUCE:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        ws = ws_ptr + ws_idx
         tl.atomic_add(ws, acc, mask=o_mask, sem="relaxed")
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == split_k - 1:
             total = tl.load(ws, mask=o_mask, other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.store(ws, tl.zeros_like(acc), mask=o_mask)
@@ -309,6 +361,7 @@ class GemmConfig:
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
     fused_reduce: bool = False  # split K reduced in the same launch (see the kernel)
+    swap: bool = False  # weights as the dot's first operand: acc [BN, BM], 8-row token tiles
 
 
 _TUNED: dict[tuple, object] = {}
@@ -318,32 +371,49 @@ def _m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 4096)
 
 
+def _split_counts(tiles: int) -> list[int]:
+    """K splits worth timing for ``tiles`` output tiles on a 132-SM H200: the fewest that give
+    every SM a program, and enough for about four programs per SM (with about two per SM the
+    K loop stalled far more than it issued, v2 run)."""
+    fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
+    deep = next((s for s in (2, 4, 8, 16) if tiles * s >= 4 * 132), 16)
+    return sorted({fill, deep})
+
+
+def _tile_configs(m: int, n: int, tiles: list[tuple], swap: bool) -> list[GemmConfig]:
+    """Each ``(block_m, block_n, warps, stages)`` tile with its split counts (fused reduction
+    whenever split)."""
+    out = []
+    for bm, bn, warps, stages in tiles:
+        for s in _split_counts(triton.cdiv(n, bn) * triton.cdiv(m, bm)):
+            out.append(GemmConfig("triton", bm, bn, 128, s, warps, stages,
+                                  fused_reduce=s > 1, swap=swap))  # fmt: skip
+    return out
+
+
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     """Tiles worth timing for this shape: weight-streaming tiles up to M = 64, larger tiles and
     the dequantize + cuBLAS fall-back beyond.
 
-    Small M: a 16-row tile (the tensor-core minimum; M = 1 wastes rows, not weight bytes) and 64
-    to 256 columns; the offline SASS count (``bench/w4a16_sass.py``) gives 4.0, 3.0 and 2.4
-    instructions per weight for them. Each width runs unsplit and with the fewest K splits that
-    give every SM a program; split K reduces through fp32 atomics, either with a zero fill and a
-    cast around the launch or inside it (``fused_reduce``).
+    Up to M = 64 the weights are the dot's first operand (``swap``): the token tile is then the
+    MMA's N (8 rows at M <= 8, half the tensor-core work of the 16-row minimum of the other
+    orientation; 16 to 64 rows use Hopper's ``wgmma``), and the zero-point offset is a rank-1
+    term instead of a second dot. The previous orientation (16- and 32-row tiles, offset dot)
+    stays as a candidate. Offline SASS counts (``bench/w4a16_sass.py``) are in the docs.
     """
     if m > 64:
         out = [GemmConfig("triton", bm, 128, 128, 1, 8, 3) for bm in (64, 128)]
+        out.append(GemmConfig("triton", 128, 128, 128, 1, 8, 3, swap=True))
         return [*out, GemmConfig("dequant_cublas")]
-    bm = 16 if m <= 16 else 32
-    out: list[GemmConfig] = []
-    for bn in (64, 128, 256) if bm == 16 else (64, 128):
-        tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-        fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
-        # measured on the H200: with about 2 programs (8 warps) per SM the loop stalls far more
-        # than it issues, so also offer enough splits for about 4 programs per SM (fused only)
-        deep = next((s for s in (2, 4, 8, 16) if tiles * s >= 4 * 132), 16)
-        splits = sorted({1, fill}) if bn < 256 else [fill]
-        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4) for s in splits]
-        out += [GemmConfig("triton", bm, bn, 128, s, 4, 4, fused_reduce=True)
-                for s in sorted({*splits, deep}) if s > 1]  # fmt: skip
-    return out
+    if m <= 16:
+        bm = 8 if m <= 8 else 16
+        swapped = [(bm, 128, 4, 4), (bm, 256, 4, 4), (bm, 256, 8, 4)]
+        previous = [(16, 256, 4, 4)]
+    else:
+        bm = 32 if m <= 32 else 64
+        swapped = [(bm, 128, 4, 4), (bm, 256, 8, 3)]
+        previous = [(32, 128, 4, 4)]
+    return _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -409,12 +479,13 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     _w4a16_gemm_kernel[(tiles, cfg.split_k)](
         x, w.qweight, w.scales, zeros, out, ws, cnt,
-        m, w.n, w.k,
+        m, w.n, w.k, cfg.split_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
         EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, FUSED_REDUCE=fused,
+        SWAP=cfg.swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 or fused else out.to(torch.bfloat16)

@@ -14,6 +14,7 @@ bf16 experts (plain ``[E, K, N]`` tensors) with only the weight decode changed, 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
-from .w4a16_gemm import _planes, _w4a16_accumulate, interpreted, tune_cached
+from .w4a16_gemm import _w4a16_accumulate, _x_planes, interpreted, tune_cached
 
 __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", "moe_gemm"]
 
@@ -30,25 +31,44 @@ __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", 
 @triton.jit
 def _bf16_accumulate(
     acc, x_rows, m_mask, w_ptr, offs_n, n_mask, K, stride_wk, step_begin, step_end,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """The bf16 twin of ``_w4a16_accumulate``: same K steps, same activation tile split into the
-    same eight strided planes, same dots."""
+    same eight strided planes, same dots (and the same ``SWAP`` orientation)."""
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
     for step in range(step_begin, step_end):
         k_rows = step * BLOCK_K + offs_r * 8
-        x_ptrs = x_rows[:, :, None] + k_rows[None, :, None] + tl.arange(0, 8)[None, None, :]
-        x_mask = m_mask[:, None, None] & (k_rows < K)[None, :, None]
-        xs = _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
+        xs = _x_planes(x_rows, m_mask, step, K, BLOCK_K, False, SWAP)
         for i in tl.static_range(8):
             k_mask = (k_rows + i) < K
-            w = tl.load(
-                w_ptr + (k_rows + i)[:, None] * stride_wk + offs_n[None, :],
-                mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-            )  # fmt: skip
-            acc = tl.dot(xs[i], w, acc)
+            if SWAP:
+                w = tl.load(
+                    w_ptr + (k_rows + i)[None, :] * stride_wk + offs_n[:, None],
+                    mask=k_mask[None, :] & n_mask[:, None], other=0.0,
+                )  # fmt: skip
+                acc = tl.dot(w, xs[i], acc)
+            else:
+                w = tl.load(
+                    w_ptr + (k_rows + i)[:, None] * stride_wk + offs_n[None, :],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0,
+                )  # fmt: skip
+                acc = tl.dot(xs[i], w, acc)
     return acc
+
+
+@triton.jit
+def _silu_mul(acc, SWAP: tl.constexpr):
+    """bf16 ``silu(gate) * up`` of an accumulator whose first half of columns (rows with ``SWAP``)
+    is gate and second half up, each rounded to bf16 first as a stored ``h`` would be."""
+    if SWAP:  # [2 H, BM] -> [H, BM, 2]
+        halves = tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0))
+    else:  # [BM, 2 H] -> [BM, H, 2]
+        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
+    gate, up = tl.split(halves)
+    gate = gate.to(tl.bfloat16).to(tl.float32)
+    up = up.to(tl.bfloat16).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -59,36 +79,106 @@ def _moe_gemm_kernel(
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
 ):  # fmt: skip
-    """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile."""
+    """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile.
+
+    With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
+    ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and it stores
+    ``silu(gate) * up`` into ``out [pairs, N / 2]``, so no ``[pairs, N]`` intermediate is written.
+    """
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
+    OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
+    out_n = N // 2 if SILU_MUL else N
+    num_n = tl.cdiv(out_n, OUT_BN)
     block = pid // num_n
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # a block past the last used one
         return
     pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = pairs < num_pairs
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_o = (pid % num_n) * OUT_BN + tl.arange(0, OUT_BN)
+    o_mask = offs_o < out_n
+    if SILU_MUL:  # gate columns, then the matching up columns
+        lanes = tl.arange(0, BLOCK_N)
+        col = (pid % num_n) * OUT_BN + lanes % OUT_BN
+        offs_n = col + (lanes // OUT_BN) * out_n
+        n_mask = col < out_n
+    else:
+        offs_n, n_mask = offs_o, o_mask
     x_rows = x_ptr + (pairs // rows_per_x).to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
     if INT4:
         acc = _w4a16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
             z_ptr + expert * stride_se, offs_n, n_mask, K, stride_wk, stride_sk, 0, steps,
-            GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N,
+            GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N, SWAP,
         )  # fmt: skip
     else:
         acc = _bf16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
-            0, steps, BLOCK_K,
+            0, steps, BLOCK_K, SWAP,
         )  # fmt: skip
+    if SILU_MUL:
+        res = _silu_mul(acc, SWAP)
+    else:
+        res = acc
     if MUL_ROUTING:
-        acc *= tl.load(routing_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        gain = tl.load(routing_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)
+        res = res * (gain[None, :] if SWAP else gain[:, None])
+    rows = pairs.to(tl.int64) * stride_om
+    if SWAP:
+        out = out_ptr + rows[None, :] + offs_o[:, None]
+        mask = m_mask[None, :] & o_mask[:, None]
+    else:
+        out = out_ptr + rows[:, None] + offs_o[None, :]
+        mask = m_mask[:, None] & o_mask[None, :]
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slots", "num_blocks"])
+def _align_kernel(
+    ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, slots, num_blocks,
+    BLOCK_M: tl.constexpr, P: tl.constexpr, E: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """:func:`align_to_experts` in one program: a histogram of the experts, block counts and
+    their prefix sums, a sort of (expert, pair) keys, and one scatter (``P >= num_pairs`` and
+    ``E >= experts`` are powers of two)."""
+    for start in range(0, slots, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(pair_ids_ptr + offs, tl.full((FILL,), num_pairs, tl.int32), mask=offs < slots)
+    for start in range(0, num_blocks, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + offs, tl.full((FILL,), -1, tl.int32), mask=offs < num_blocks)
+    p = tl.arange(0, P)
+    valid = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    counts = tl.histogram(ids, E, mask=valid)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    # rows of padding before each expert's first row: its first padded row minus its first pair
+    pad = (tl.cumsum(blocks, 0) - blocks) * BLOCK_M - (tl.cumsum(counts, 0) - counts)
+    keys = tl.sort(tl.where(valid, ids * P + p, E * P + p))  # by expert, then pair (stable)
+    expert = keys // P
+    real = p < num_pairs  # sorted: the real pairs come first
+    dest = p + tl.gather(pad, tl.minimum(expert, E - 1), 0)
+    tl.debug_barrier()  # the fills above land before the scatter below
+    tl.store(pair_ids_ptr + dest, keys % P, mask=real)
+    tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=real & (dest % BLOCK_M == 0))
+
+
+@triton.jit
+def _topk_sum_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, TK: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j src[t * TOP_K + j] in fp32, stored as bf16 (``TK``: ``TOP_K`` rounded up
+    to a power of two)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, TK)
+    mask = (j < TOP_K)[:, None] & (offs < H)[None, :]
+    rows = (t * TOP_K + j).to(tl.int64) * H
+    v = tl.load(src_ptr + rows[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, tl.sum(v, 0).to(tl.bfloat16), mask=offs < H)
 
 
 @dataclass(frozen=True)
@@ -99,6 +189,15 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
+    swap: bool = False  # weights as the dot's first operand (8-row expert blocks possible)
+
+
+ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
+
+
+def _triton_runs(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t`` here (on its GPU, or in the interpreter)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def align_to_experts(
@@ -109,11 +208,22 @@ def align_to_experts(
     Returns ``pair_ids`` (``[blocks * block_m]``; pair ``p = token * top_k + slot``, padding rows
     hold ``num_pairs``) and ``block_expert`` (``[blocks]``; ``-1`` past the last used block).
     Sizes depend only on the shapes, never on the routing, so no host sync is needed and the call
-    can be captured in a CUDA graph.
+    can be captured in a CUDA graph. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs this is one Triton
+    launch (decode: the torch version is about twenty small launches), beyond it torch ops.
     """
-    flat = topk_ids.reshape(-1).long()
+    flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     blocks = num_pairs // block_m + min(num_experts, num_pairs)  # bound on used blocks
+    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS and _triton_runs(flat):
+        pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+        _align_kernel[(1,)](
+            flat, pair_ids, block_expert, num_pairs, blocks * block_m, blocks,
+            BLOCK_M=block_m, P=triton.next_power_of_2(max(num_pairs, 16)),
+            E=triton.next_power_of_2(max(num_experts, 16)), FILL=1024, num_warps=4,
+        )  # fmt: skip
+        return pair_ids, block_expert
+    flat = flat.long()
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     expert_blocks = (counts + block_m - 1) // block_m
@@ -155,14 +265,19 @@ def moe_gemm(
     rows_per_x: int,
     config: MoeConfig,
     routing: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p`` -> ``[num_pairs, N]``
-    bf16, times ``routing[p]`` when given."""
+    bf16, times ``routing[p]`` when given. With ``silu_mul`` the weight's columns are gate then
+    up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
-    out = torch.empty((num_pairs, n), dtype=torch.bfloat16, device=x.device)
-    grid = (block_expert.numel() * triton.cdiv(n, config.block_n),)
+    out_n, out_bn = (n // 2, config.block_n // 2) if silu_mul else (n, config.block_n)
+    if silu_mul and n % 2:
+        raise ValueError(f"gate and up need an even column count, got {n}")
+    out = torch.empty((num_pairs, out_n), dtype=torch.bfloat16, device=x.device)
+    grid = (block_expert.numel() * triton.cdiv(out_n, out_bn),)
     _moe_gemm_kernel[grid](
         x, weight, scales, zeros, out, pair_ids, block_expert,
         routing if routing is not None else x,
@@ -171,17 +286,33 @@ def moe_gemm(
         INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         FAST=config.fast_decode and not interpreted(),
-        EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        EVEN_K=k % config.block_k == 0, EVEN_N=out_n % out_bn == 0, SWAP=config.swap,
+        SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
 
+def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """``out [tokens * top_k, H]`` summed over each token's ``top_k`` rows in fp32 -> bf16."""
+    h = out.shape[1]
+    if not _triton_runs(out):
+        return out.view(tokens, top_k, h).sum(1, dtype=torch.float32).to(torch.bfloat16)
+    res = torch.empty((tokens, h), dtype=torch.bfloat16, device=out.device)
+    block = 1024
+    _topk_sum_kernel[(tokens, triton.cdiv(h, block))](
+        out, res, h, TOP_K=top_k, TK=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4
+    )
+    return res
+
+
 def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
-    """Blocks of 16 rows at decode sizes (about one pair per expert), of 64 beyond."""
+    """Blocks of 64 rows beyond decode sizes; at decode sizes (about one pair per expert block)
+    16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
+    half the tensor-core work of a 16-row block)."""
     if num_pairs > 4 * num_experts:
         return [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
-    return [MoeConfig(16, bn, 128, 4, 4) for bn in (64, 128, 256)]
+    out = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
+    return out + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (128, 256)]
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
@@ -211,18 +342,17 @@ def fused_moe(
     if _num_experts(w2) != num_experts:
         raise ValueError("w13 and w2 must hold the same number of experts")
     num_pairs = tokens * top_k
-    routing = topk_weights.reshape(-1).float()
+    routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
+        # four launches: align, up GEMM with SiLU-and-mul, down GEMM x routing, top-k sum
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        h = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg)
-        gate, up = h.chunk(2, dim=-1)
-        act = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
         out = moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing)
-        return out.view(tokens, top_k, -1).sum(1, dtype=torch.float32).to(torch.bfloat16)
+        return _topk_sum(out, tokens, top_k)
 
     if configs is None:
         if interpreted():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import triton.language as tl
+from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_format import dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
@@ -104,6 +105,27 @@ def test_gemm_matches_reference(m, n, k, group, symmetric, split_k):
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
 
+# (M, N, K, group, symmetric, split_k, fused, block_m): the weights as the dot's first operand
+SWAP_CASES = [
+    (1, 40, 256, 128, False, 1, False, 8),
+    (5, 72, 384, 128, True, 3, True, 8),
+    (3, 33, 384, 32, False, 1, False, 8),
+    (2, 48, 256, 64, True, 2, False, 8),
+    (17, 64, 160, 32, True, 2, True, 16),
+    (20, 40, 256, 128, False, 1, False, 32),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,symmetric,split_k,fused,block_m", SWAP_CASES)
+def test_swapped_gemm_matches_reference(m, n, k, group, symmetric, split_k, fused, block_m):
+    w = make_weight((n, k), group, symmetric, seed=n + k)
+    x = make_x(m, k, seed=m)
+    cfg = GemmConfig(block_m=block_m, block_n=32, split_k=split_k, fused_reduce=fused, swap=True)
+    out = w4a16_matmul(x, w, cfg)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_fused_split_k_reduction_leaves_workspace_clean(split_k):
     """Split K reduced inside the launch: right result, and the workspace and counters it
@@ -163,6 +185,21 @@ def test_align_to_experts_places_every_pair_once():
             assert rows.numel() > 0 and bool((flat[rows] == e).all())
 
 
+@pytest.mark.parametrize(
+    "experts,tokens,top_k,block_m", [(7, 9, 3, 4), (40, 33, 8, 16), (5, 1, 2, 8)]
+)
+def test_align_kernel_matches_torch_ops(monkeypatch, experts, tokens, top_k, block_m):
+    """The one-launch alignment gives the same blocks as the torch version it replaces."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids = ids.to(DEVICE)
+    pair_ids, block_expert = align_to_experts(ids, experts, block_m)
+    monkeypatch.setattr(moe_module, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    ref_pairs, ref_blocks = align_to_experts(ids, experts, block_m)
+    assert torch.equal(pair_ids.cpu(), ref_pairs.cpu())
+    assert torch.equal(block_expert.cpu(), ref_blocks.cpu())
+
+
 MOE_CASES = [  # (experts, hidden, inter, tokens, top_k, group up, group down, symmetric)
     (6, 128, 64, 5, 3, 128, 64, True),
     (5, 256, 96, 7, 2, 32, 32, False),
@@ -187,6 +224,28 @@ def test_fused_moe_matches_reference(experts, hidden, inter, tokens, top_k, g13,
     b13 = dequantize(w13, torch.bfloat16).transpose(-1, -2).contiguous()
     b2 = dequantize(w2, torch.bfloat16).transpose(-1, -2).contiguous()
     out16 = fused_moe(x, b13, b2, weights, ids, configs=(wide, small))
+    assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
+
+
+@pytest.mark.parametrize("g13,g2,symmetric", [(128, 32, True), (64, 64, False)])
+def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
+    """8-row expert blocks with the weights as the dot's first operand (and a 16-row up GEMM
+    with a swapped down GEMM, which aligns the pairs twice)."""
+    experts, hidden, inter, tokens, top_k = 6, 256, 64, 5, 3
+    g = torch.Generator().manual_seed(tokens)
+    w13 = make_weight((experts, 2 * inter, hidden), g13, symmetric, seed=3)
+    w2 = make_weight((experts, hidden, inter), g2, symmetric, seed=4)
+    x = make_x(tokens, hidden, seed=5)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE)
+    swap8 = MoeConfig(block_m=8, block_n=32, swap=True)
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    for cfgs in ((swap8, swap8), (MoeConfig(block_n=32), swap8)):
+        assert rel_l2(fused_moe(x, w13, w2, weights, ids, configs=cfgs), ref) <= REL_L2
+    b13 = dequantize(w13, torch.bfloat16).transpose(-1, -2).contiguous()
+    b2 = dequantize(w2, torch.bfloat16).transpose(-1, -2).contiguous()
+    out16 = fused_moe(x, b13, b2, weights, ids, configs=(swap8, swap8))
     assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
 
 
