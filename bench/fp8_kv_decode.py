@@ -8,9 +8,11 @@ SGLang does) and the BF16 -> FP8 page conversion. Every time is the median of CU
 replays of many calls cycling through several page sets (working set above the 60 MB L2),
 all in this one run; bandwidth counts the KV bytes (and FP8 scales) each call must read.
 
-    python bench/fp8_kv_decode.py [--quick] [--tune] [--sglang-kernel PATH] [--out DIR]
+    python bench/fp8_kv_decode.py [--quick] [--tune] [--variants] [--sglang-kernel PATH] [--out DIR]
 
-Prints a table last and writes fp8_kv_decode.json (and fp8_kv_tune.json with --tune).
+Prints a table last and writes fp8_kv_decode.json (fp8_kv_tune.json with --tune,
+fp8_kv_variants.json with --variants: kernel variants side by side on shared data, each also
+checked against the float64 reference).
 """
 
 from __future__ import annotations
@@ -30,10 +32,20 @@ import torch
 import torch.nn.functional as F
 import triton
 from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
-from tessera.kernels.fp8_kv_quant import write_kv_fp8
-from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
-from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
-from tessera.kernels.paged_decode_split import DecodeConfig
+from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
+from tessera.kernels.paged_decode_bf16 import (
+    paged_decode_bf16,
+    paged_decode_bf16_ref,
+    paged_decode_mla_bf16,
+    paged_decode_mla_bf16_ref,
+)
+from tessera.kernels.paged_decode_fp8 import (
+    paged_decode_fp8,
+    paged_decode_fp8_ref,
+    paged_decode_mla_fp8,
+    paged_decode_mla_fp8_ref,
+)
+from tessera.kernels.paged_decode_split import DecodeConfig, pick_config
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
 
@@ -268,6 +280,125 @@ def bench_convert(pages, page_size, kv_heads, dim, copy_bw):
             "frac_copy_bw": moved / t / 1e6 * 1e12 / copy_bw}  # fmt: skip
 
 
+# Kernel variants timed side by side by --variants (name -> config; None = the default).
+MLA_VARIANTS = {
+    "default": None,
+    "old_bn32": DecodeConfig(32, 16, 4, 2),
+    "q_bn32_s2": DecodeConfig(32, 16, 4, 2, latent_quarters=True),
+    "q_bn32_s3": DecodeConfig(32, 16, 4, 3, latent_quarters=True),
+    "q_bn64_s2": DecodeConfig(64, 16, 4, 2, latent_quarters=True),
+    "q_bn32_int": DecodeConfig(32, 16, 4, 2, latent_quarters=True, int_widen=True),
+    "q_bn32_pps2": DecodeConfig(32, 16, 4, 2, latent_quarters=True, programs_per_sm=2),
+    "q_bn32_pps3": DecodeConfig(32, 16, 4, 2, latent_quarters=True, programs_per_sm=3),
+    "q_bn32_r168": DecodeConfig(32, 16, 4, 2, latent_quarters=True, max_registers=168),
+    "q_bn32_r128": DecodeConfig(32, 16, 4, 2, latent_quarters=True, max_registers=128),
+}
+MLA_WIDE_VARIANTS = {  # 64+ heads: fewer programs re-reading each tile
+    "default": None,
+    "old_bn32": DecodeConfig(32, 16, 4, 2),
+    "q_bn32_s2": DecodeConfig(32, 16, 4, 2, latent_quarters=True),
+    "q_h32_w8": DecodeConfig(32, 32, 8, 2, latent_quarters=True),
+    "q_h64_w8": DecodeConfig(32, 64, 8, 2, latent_quarters=True),
+    "q_h32_w8_int": DecodeConfig(32, 32, 8, 2, latent_quarters=True, int_widen=True),
+}
+GQA_VARIANTS = {
+    "default": None,
+    "int": DecodeConfig(128, 16, 4, 2, int_widen=True),
+}
+
+
+def _check_variant(kind, config, heads):
+    """rel-L2 and max error of a variant against the float64 reference: odd lengths, page 16,
+    fresh data (BF16 and FP8 kernels each against attention over their own cache)."""
+    lens = [2999, 1, 777, 1500, 64]
+    page = 16
+    counts = [math.ceil(n / page) for n in lens]
+    perm = torch.randperm(sum(counts) + 2).tolist()
+    pages, at = [], 0
+    for c in counts:
+        pages.append(perm[at : at + c])
+        at += c
+    table = PageTable.from_page_lists(pages, lens, page, "cuda")
+    num_pages = len(perm)
+    res = {}
+
+    def err(out, ref):
+        return {"rel_l2": rel_l2(out, ref), "max_abs": (out.float() - ref).abs().max().item(),
+                "finite": bool(out.isfinite().all())}  # fmt: skip
+
+    def quant(rows):
+        cache = torch.empty(rows.shape, dtype=FP8_DTYPE, device="cuda")
+        scale = torch.empty(rows.shape[:-1], device="cuda")
+        write_kv_fp8_ref(rows.flatten(0, 1), cache, scale, torch.arange(rows.shape[0] * page,
+                         device="cuda"))  # fmt: skip
+        return cache, scale
+
+    nan = float("nan")
+    if kind == "mla":
+        q = torch.randn(len(lens), heads, 576, device="cuda").bfloat16()
+        kv = torch.randn(num_pages, page, 1, 576, device="cuda").bfloat16()
+        sm = 192**-0.5
+        out = torch.full((len(lens), heads, 512), nan, device="cuda", dtype=torch.bfloat16)
+        paged_decode_mla_bf16(q, kv, table, sm, out=out, config=config)
+        res["bf16"] = err(out, paged_decode_mla_bf16_ref(q, kv, table, sm))
+        kv8, s8 = quant(kv)
+        out.fill_(nan)
+        paged_decode_mla_fp8(q, kv8, s8, table, sm, out=out, config=config)
+        res["fp8"] = err(out, paged_decode_mla_fp8_ref(q, kv8, s8, table, sm))
+    else:
+        q = torch.randn(len(lens), heads, 128, device="cuda").bfloat16()
+        k, v = (torch.randn(num_pages, page, 8, 128, device="cuda").bfloat16() for _ in "kv")
+        out = torch.full((len(lens), heads, 128), nan, device="cuda", dtype=torch.bfloat16)
+        paged_decode_bf16(q, k, v, table, 128**-0.5, out=out, config=config)
+        res["bf16"] = err(out, paged_decode_bf16_ref(q, k, v, table, 128**-0.5))
+        (k8, ks), (v8, vs) = quant(k), quant(v)
+        out.fill_(nan)
+        paged_decode_fp8(q, k8, v8, ks, vs, table, 128**-0.5, out=out, config=config)
+        res["fp8"] = err(out, paged_decode_fp8_ref(q, k8, v8, ks, vs, table, 128**-0.5))
+    return res
+
+
+def variants(copy_bw) -> list[dict]:
+    """Each variant on the same shapes (MLA 16 heads at 4k/16k and 64 heads at 4k, batch 64;
+    GQA 32/8 d128 at 4k/16k), plus its accuracy check."""
+    rows = []
+    shapes = [
+        ("mla", 64, 4096, 16, MLA_VARIANTS),
+        ("mla", 64, 16384, 16, MLA_VARIANTS),
+        ("mla", 8, 8192, 16, MLA_VARIANTS),
+        ("mla", 64, 4096, 64, MLA_WIDE_VARIANTS),
+        ("gqa", 64, 4096, 32, GQA_VARIANTS),
+        ("gqa", 64, 16384, 32, GQA_VARIANTS),
+    ]
+    checked = set()
+    for kind, batch, ctx, heads, table in shapes:
+        for name, cfg in table.items():
+            if kind == "mla":
+                cfg = cfg or pick_config(512, heads, True)
+                r = bench_mla(batch, ctx, heads, 64, None, copy_bw, config=cfg)
+            else:
+                cfg = cfg or pick_config(128, heads // 8, False)
+                r = bench_gqa(batch, ctx, heads, 8, 128, 64, None, copy_bw, config=cfg)
+            r["variant"] = name
+            key = (kind, heads, cfg)
+            if key not in checked:
+                checked.add(key)
+                r["check"] = _check_variant(kind, cfg, heads)
+            rows.append(r)
+            print(_variant_line(r), flush=True)
+    return rows
+
+
+def _variant_line(r):
+    chk = r.get("check")
+    acc = (f" | err bf16 {chk['bf16']['rel_l2']:.1e} fp8 {chk['fp8']['rel_l2']:.1e}"
+           if chk else "")  # fmt: skip
+    return (f"var {r['kind']} h{r['heads']:3d} B{r['batch']:3d} ctx{r['ctx']:6d} "
+            f"{r['variant']:14s}: bf16 {r['ours_bf16_us']:8.1f}us "
+            f"({r['ours_bf16_frac_copy_bw']:.2f} copy) fp8 {r['ours_fp8_us']:8.1f}us "
+            f"({r['ours_fp8_TBps']:.2f} TB/s) x{r['fp8_vs_bf16']:.2f}{acc}")  # fmt: skip
+
+
 def tune(copy_bw) -> list[dict]:
     rows = []
     gqa = [DecodeConfig(bn, 16, w, s) for bn, w, s in (
@@ -299,6 +430,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")
+    ap.add_argument("--variants", action="store_true", help="time kernel variants instead")
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -319,6 +451,11 @@ def main() -> None:
     if args.tune:
         rows = tune(copy_bw)
         (args.out / "fp8_kv_tune.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        return
+    if args.variants:
+        rows = variants(copy_bw)
+        (args.out / "fp8_kv_variants.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        print("\n".join(_variant_line(r) for r in rows))
         return
     sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
 

@@ -39,6 +39,10 @@ class DecodeConfig:
     block_h: int  # query heads per program (padded to 16 for the tensor cores)
     num_warps: int
     num_stages: int
+    latent_quarters: bool = False  # MLA: the latent product as four quarter-width products
+    int_widen: bool = False  # FP8: widen e4m3 by integer bit moves instead of cvt
+    programs_per_sm: int = 4  # what the split plan aims at
+    max_registers: int | None = None  # a per-thread register cap (more programs per SM)
 
 
 def pick_config(head_dim: int, group: int, mla: bool) -> DecodeConfig:
@@ -53,10 +57,12 @@ def pick_config(head_dim: int, group: int, mla: bool) -> DecodeConfig:
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
 
 
-def plan_splits(programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """How many splits of the context: enough programs to fill the GPU about four times over,
-    and at least four tiles in each split so the loads can pipeline."""
-    by_occupancy = triton.cdiv(4 * num_sms, max(programs, 1))
+def plan_splits(
+    programs: int, max_seq_len: int, block_n: int, num_sms: int, programs_per_sm: int = 4
+) -> int:
+    """How many splits of the context: enough programs to fill the GPU ``programs_per_sm``
+    times over, and at least four tiles in each split so the loads can pipeline."""
+    by_occupancy = triton.cdiv(programs_per_sm * num_sms, max(programs, 1))
     by_length = triton.cdiv(max(max_seq_len, 1), 4 * block_n)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -79,12 +85,38 @@ def _dot(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _widen_fp8(x, INTERPRETED: tl.constexpr):
-    """e4m3 -> fp16 in registers, two values per instruction. As inline assembly Triton cannot
-    move the conversion after the tile's trip through shared memory, where 8-bit operands that
-    need a transpose are read one byte at a time (seen in the PTX: 128 ld.shared.b8 a tile)."""
+def _widen_fp8(x, INTERPRETED: tl.constexpr, INT_WIDEN: tl.constexpr = False):
+    """e4m3 -> fp16 in registers. As inline assembly Triton cannot move the conversion after
+    the tile's trip through shared memory, where 8-bit operands that need a transpose are read
+    one byte at a time (seen in the PTX: 128 ld.shared.b8 a tile); ``is_pure=False`` keeps it
+    from re-running the conversion in the MMA operand layouts (which brought those loads back).
+
+    ``INT_WIDEN``: no conversion instruction; e4m3's sign goes to fp16's bit 15 and its 7
+    exponent and mantissa bits to bits 7..13, which is the value times 2^-8 (subnormals
+    included; e4m3's NaN becomes the finite 480 * 2^-8). Three integer ops per two values
+    (byte permute with sign fill, shift, mask) instead of one e4m3x2 conversion."""
     if INTERPRETED:
-        return x.to(tl.float16)
+        y = x.to(tl.float16)
+        if INT_WIDEN:
+            y = y * (1.0 / 256.0)  # what the bit moves give
+        return y
+    if INT_WIDEN:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b;
+            prmt.b32 a, $2, 0, 0x9180;
+            prmt.b32 b, $2, 0, 0xB3A2;
+            shl.b32 a, a, 7;
+            shl.b32 b, b, 7;
+            and.b32 $0, a, 0xBF80BF80;
+            and.b32 $1, b, 0xBF80BF80;
+            }""",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b16 lo, hi;
@@ -139,6 +171,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     V_FROM_K: tl.constexpr,
+    INT_WIDEN: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -186,7 +219,7 @@ def _split_kernel(
             other=0.0,
         )
         if FP8 and V_FROM_K:
-            k = _widen_fp8(k, INTERPRETED)  # it is the V operand too
+            k = _widen_fp8(k, INTERPRETED, INT_WIDEN)  # it is the V operand too
         else:
             k = k.to(compute_dtype)
         s = _dot(q, tl.trans(k), INTERPRETED)
@@ -195,12 +228,18 @@ def _split_kernel(
                 k_base + slot[:, None] * stride_k_slot + offs_r[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            ).to(compute_dtype)
+            )
+            if FP8 and INT_WIDEN:
+                k_rope = _widen_fp8(k_rope, INTERPRETED, INT_WIDEN)  # same 2^-8 as the latent
+            else:
+                k_rope = k_rope.to(compute_dtype)
             s += _dot(q_rope, tl.trans(k_rope), INTERPRETED)
         if FP8:
             k_scale = tl.load(
                 K_SCALE + slot * stride_ks_slot + kvh * stride_ks_head, mask=mask_n, other=0.0
             )
+            if INT_WIDEN and V_FROM_K:
+                k_scale = k_scale * 256.0  # the widened tile is e4m3 * 2^-8
             s *= k_scale[None, :]
         s = tl.where(mask_n[None, :], s * sm_scale_log2e, float("-inf"))
 
@@ -217,7 +256,7 @@ def _split_kernel(
                 other=0.0,
             )
             if FP8:
-                v = _widen_fp8(v, INTERPRETED)
+                v = _widen_fp8(v, INTERPRETED, INT_WIDEN)
             else:
                 v = v.to(compute_dtype)
         if FP8:
@@ -227,6 +266,8 @@ def _split_kernel(
                 v_scale = tl.load(
                     V_SCALE + slot * stride_vs_slot + kvh * stride_vs_head, mask=mask_n, other=0.0
                 )
+                if INT_WIDEN:
+                    v_scale = v_scale * 256.0
             # Scale p by v_scale relative to the tile's largest, so fp16 p keeps its precision.
             v_top = tl.max(v_scale, axis=0)
             pv = (p * (v_scale / v_top)[None, :]).to(compute_dtype)
@@ -242,6 +283,139 @@ def _split_kernel(
     part = part_out + b * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(part[:, None] + offs_dv[None, :], out, mask=mask_h[:, None])
     tl.store(part_lse + (b * stride_pb + heads * stride_ph) // DV + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _quarter(rows, col0, DQ: tl.constexpr, mask_n, FP8: tl.constexpr, INT_WIDEN: tl.constexpr,
+             INTERPRETED: tl.constexpr):  # fmt: skip
+    """``DQ`` columns from ``col0`` of the tile's token rows, widened to fp16 when FP8."""
+    t = tl.load(rows + col0 + tl.arange(0, DQ)[None, :], mask=mask_n[:, None], other=0.0)
+    if FP8:
+        t = _widen_fp8(t, INTERPRETED, INT_WIDEN)
+    return t
+
+
+@triton.jit
+def _mla_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: tl.constexpr,
+    ENTRIES_PER_PAGE: tl.constexpr,
+    D: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    INT_WIDEN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Stage 1 for MLA (one KV head of ``D`` latent + ``D_ROPE`` rope dims, V = the latent
+    dims), with the latent dims in four quarters: four loads, four QK products and four PV
+    accumulators instead of one 576-wide tile. Same math as ``_split_kernel``."""
+    DQ: tl.constexpr = D // 4
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    row = tl.load(indptr + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0).to(cdt)
+    q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
+    q1, q2, q3, qr = q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, DQ], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, DQ], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, DQ], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, DQ], tl.float32)
+    acc_unit = 1.0  # FP8: acc holds the output divided by the last tile's largest V scale
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        entry = tl.load(
+            indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
+        ).to(tl.int64)
+        slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+        rows = KV + slot[:, None] * stride_kv_slot
+        k0 = _quarter(rows, 0, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        k1 = _quarter(rows, DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        kr = _quarter(rows, D, D_ROPE, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        # Two sums of two products each: Triton folds "dot + x" into the dot's accumulator, so
+        # this grouping leaves two MMA chains of half the depth instead of one.
+        s = (_dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)) + (
+            _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
+        )
+        s += _dot(qr, tl.trans(kr), INTERPRETED)
+        if FP8:
+            scale = tl.load(KV_SCALE + slot * stride_s_slot, mask=mask_n, other=0.0)
+            if INT_WIDEN:
+                scale = scale * 256.0  # the widened tile is e4m3 * 2^-8
+            s = s * (scale * sm_scale_log2e)[None, :]
+        else:
+            s = s * sm_scale_log2e
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if FP8:
+            # V scales go into p relative to the tile's largest (fp16 keeps p's precision);
+            # the accumulator is re-based on that largest scale instead of multiplied by it.
+            v_top = tl.maximum(tl.max(scale, axis=0), 1e-30)
+            p = p * (scale / v_top)[None, :]
+            alpha = alpha * (acc_unit / v_top)
+            acc_unit = v_top
+        pc = p.to(cdt)
+        acc0 = _dot(pc, k0, INTERPRETED) + acc0 * alpha[:, None]
+        acc1 = _dot(pc, k1, INTERPRETED) + acc1 * alpha[:, None]
+        acc2 = _dot(pc, k2, INTERPRETED) + acc2 * alpha[:, None]
+        acc3 = _dot(pc, k3, INTERPRETED) + acc3 * alpha[:, None]
+        m = m_new
+
+    empty = l == 0.0  # a split past the request's end
+    l = tl.where(empty, 1.0, l)
+    lse = tl.where(empty, float("-inf"), m + tl.log2(l))
+    norm = (acc_unit / l)[:, None]
+    part = part_out + b * stride_pb + heads * stride_ph + split * stride_ps
+    cols = tl.arange(0, DQ)[None, :]
+    tl.store(part[:, None] + cols, acc0 * norm, mask=mask_h[:, None])
+    tl.store(part[:, None] + DQ + cols, acc1 * norm, mask=mask_h[:, None])
+    tl.store(part[:, None] + 2 * DQ + cols, acc2 * norm, mask=mask_h[:, None])
+    tl.store(part[:, None] + 3 * DQ + cols, acc3 * norm, mask=mask_h[:, None])
+    tl.store(part_lse + (b * stride_pb + heads * stride_ph) // D + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -314,7 +488,7 @@ def paged_decode(
     if max_seq_len is None:
         max_seq_len = int(table.seq_lens.max()) if batch else 0  # a host sync
     programs = batch * num_kv_heads * head_blocks
-    splits = plan_splits(programs, max_seq_len, cfg.block_n, num_sms(q.device))
+    splits = plan_splits(programs, max_seq_len, cfg.block_n, num_sms(q.device), cfg.programs_per_sm)
 
     if out is None:
         out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
@@ -325,48 +499,85 @@ def paged_decode(
     part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
-    _split_kernel[(programs, splits)](
-        q,
-        k_rows,
-        v_rows,
-        k_scale,
-        v_scale,
-        table.seq_lens,
-        table.indptr,
-        table.indices,
-        part_out,
-        part_lse,
-        sm_scale * LOG2E,
-        splits,
-        num_kv_heads,
-        head_blocks,
-        group,
-        q.stride(0),
-        q.stride(1),
-        k_rows.stride(0),
-        k_rows.stride(1),
-        v_rows.stride(0),
-        v_rows.stride(1),
-        k_scale.stride(0),
-        k_scale.stride(1),
-        v_scale.stride(0),
-        v_scale.stride(1),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        PAGE_SIZE=table.page_size,
-        ENTRIES_PER_PAGE=table.entries_per_page,
-        D=dim,
-        D_ROPE=rope_dim,
-        DV=dv,
-        BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n,
-        FP8=scales is not None,
-        V_FROM_K=v_from_k,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers and not interpreted:
+        launch["maxnreg"] = cfg.max_registers
+    if v_from_k and cfg.latent_quarters and dim >= 64:
+        _mla_kernel[(programs, splits)](
+            q,
+            k_rows,
+            k_scale,
+            table.seq_lens,
+            table.indptr,
+            table.indices,
+            part_out,
+            part_lse,
+            sm_scale * LOG2E,
+            splits,
+            head_blocks,
+            num_heads,
+            q.stride(0),
+            q.stride(1),
+            k_rows.stride(0),
+            k_scale.stride(0),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            PAGE_SIZE=table.page_size,
+            ENTRIES_PER_PAGE=table.entries_per_page,
+            D=dim,
+            D_ROPE=rope_dim,
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            FP8=scales is not None,
+            INT_WIDEN=cfg.int_widen,
+            INTERPRETED=interpreted,
+            **launch,
+        )
+    else:
+        _split_kernel[(programs, splits)](
+            q,
+            k_rows,
+            v_rows,
+            k_scale,
+            v_scale,
+            table.seq_lens,
+            table.indptr,
+            table.indices,
+            part_out,
+            part_lse,
+            sm_scale * LOG2E,
+            splits,
+            num_kv_heads,
+            head_blocks,
+            group,
+            q.stride(0),
+            q.stride(1),
+            k_rows.stride(0),
+            k_rows.stride(1),
+            v_rows.stride(0),
+            v_rows.stride(1),
+            k_scale.stride(0),
+            k_scale.stride(1),
+            v_scale.stride(0),
+            v_scale.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            PAGE_SIZE=table.page_size,
+            ENTRIES_PER_PAGE=table.entries_per_page,
+            D=dim,
+            D_ROPE=rope_dim,
+            DV=dv,
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            FP8=scales is not None,
+            V_FROM_K=v_from_k,
+            INT_WIDEN=cfg.int_widen,
+            INTERPRETED=interpreted,
+            **launch,
+        )
     _merge_kernel[(batch, num_heads)](
         part_out,
         part_lse,
