@@ -766,8 +766,8 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels,
-                device: torch.device) -> tuple[list[dict], dict]:  # fmt: skip
+def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, device: torch.device,
+                save: Callable[[list[dict], dict], None]) -> tuple[list[dict], dict]:  # fmt: skip
     shape, choice = model_shape(name), MODELS[name]
     t0 = time.time()
     gen = Gen(device, seed=11)
@@ -830,6 +830,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels,
                 "seconds": round(time.time() - t1, 1),
             })  # fmt: skip
             rows.append(row)
+            save(rows, info)
             print(f"[{name}] {config_label(w, kv):18s} c={c:4d} step {row['step_ms']:8.3f} ms "
                   f"({row['tok_s']:8.0f} tok/s)  integrity +{row['integrity_step_pct']:.2f}% "
                   f"p95 {row['p95_ms']:.3f}/{row['p95_ms_integrity']:.3f} ms  "
@@ -1045,12 +1046,18 @@ def main() -> None:
     path = args.out / f"decode_slice{args.tag}.json"
     doc: dict[str, Any] = {**meta(sys.argv, args, sglang_src), "models": {}, "rows": []}
     t0 = time.time()
-    for m in models:
-        rows, info = bench_model(m, args, sglang, device)
-        doc["rows"] += rows
+    done: list[dict] = []
+
+    def save(rows: list[dict], info: dict) -> None:  # after every point: a cut-off run keeps them
+        doc["rows"] = done + rows
         doc["models"][m] = info
         doc["seconds"] = round(time.time() - t0, 1)
         path.write_text(json.dumps(doc, indent=1))
+
+    for m in models:
+        rows, info = bench_model(m, args, sglang, device, save)
+        save(rows, info)
+        done += rows
         torch.cuda.empty_cache()
     doc["summary"] = {
         m: {
