@@ -154,10 +154,26 @@ def bench_decode(kind: str, kv: str, batch: int, ctx: int, heads: int, kv_heads:
         else:
             paged_decode_bf16(q, k, v, t.page_table, sm_scale, max_seq_len=ctx, out=o)
 
+    sglang_table = PageTable.from_sglang(t.kv_indptr, t.kv_indices, t.page_table.seq_lens, PAGE)
+
+    def direct_sglang_table(_i: int) -> None:  # where the adapter's overhead comes from
+        o = outs["direct_sglang_table"]
+        if mla and kv == "fp8":
+            paged_decode_mla_fp8(q, k, vs, sglang_table, sm_scale * scales[0] / scales[1],
+                                 max_seq_len=ctx, out=o)  # fmt: skip
+        elif mla:
+            paged_decode_mla_bf16(q, k, sglang_table, sm_scale, max_seq_len=ctx, out=o)
+        elif kv == "fp8":
+            paged_decode_fp8(q, k, v, ks, vs, sglang_table, sm_scale, max_seq_len=ctx, out=o)
+        else:
+            paged_decode_bf16(q, k, v, sglang_table, sm_scale, max_seq_len=ctx, out=o)
+
+    outs["direct_sglang_table"] = torch.empty_like(outs["direct"])
     calls = {
         "sglang": sglang_call(original, q, k, v, outs["sglang"], t, sm_scale, *scales, mla),
         "adapter": sglang_call(routed, q, k, v, outs["adapter"], t, sm_scale, *scales, mla),
         "direct": direct,
+        "direct_sglang_table": direct_sglang_table,
     }
     for c in calls.values():
         c(0)
@@ -336,9 +352,15 @@ def bench_moe(experts: int, hidden: int, inter: int, top_k: int, group: int, tok
 def meta(argv) -> dict:
     import sglang
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    def git(*args: str) -> str:
+        here = Path(__file__).parent
+        run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
+        return run.stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     return {
+        "uncommitted_changes": dirty.split("\n")[:-1],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -364,6 +386,7 @@ def attempt(results: dict, name: str, fn, *args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="decode,linear,moe", help="comma-separated subset")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -373,15 +396,18 @@ def main() -> None:
               ("mla", 64, 2048, 16, 1, 512)]  # fmt: skip
     if a.quick:
         decode = decode[::2]
-    for kind, batch, ctx, heads, kv_heads, dim in decode:
+    sections = set(a.sections.split(","))
+    for kind, batch, ctx, heads, kv_heads, dim in decode if "decode" in sections else ():
         for kv in ("bf16", "fp8"):
             attempt(results, "decode", bench_decode, kind, kv, batch, ctx, heads, kv_heads, dim)
             print(results.get("decode", [{}])[-1], flush=True)
     m_values = (1, 16) if a.quick else (1, 16, 64)
-    for n, k, group in [(16384, 7168, 128), (4608, 7168, 32), (7168, 2304, 32)]:
+    linear = [(16384, 7168, 128), (4608, 7168, 32), (7168, 2304, 32)]
+    for n, k, group in linear if "linear" in sections else ():
         attempt(results, "linear", bench_linear, n, k, group, m_values)
     tokens = (1, 16) if a.quick else (1, 16, 64)
-    attempt(results, "moe", bench_moe, 384 // 8, 7168, 2048, 8, 32, tokens)
+    if "moe" in sections:
+        attempt(results, "moe", bench_moe, 384 // 8, 7168, 2048, 8, 32, tokens)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "sglang_adapter.json").write_text(json.dumps(results, indent=1))
     print_table(results)
