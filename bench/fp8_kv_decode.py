@@ -45,7 +45,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
-from tessera.kernels.paged_decode_split import DecodeConfig, pick_config
+from tessera.kernels.paged_decode_split import DecodeConfig
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
 
@@ -280,31 +280,24 @@ def bench_convert(pages, page_size, kv_heads, dim, copy_bw):
             "frac_copy_bw": moved / t / 1e6 * 1e12 / copy_bw}  # fmt: skip
 
 
-# Kernel variants timed side by side by --variants (name -> config; None = the default).
+# Kernel variants timed side by side by --variants (name -> config; None = the default, which
+# differs by dtype for MLA). The first --variants run (fp8_kv_variants.json) chose the defaults.
 MLA_VARIANTS = {
     "default": None,
-    "old_bn32": DecodeConfig(32, 16, 4, 2),
-    "q_bn32_s2": DecodeConfig(32, 16, 4, 2, latent_quarters=True),
-    "q_bn32_s3": DecodeConfig(32, 16, 4, 3, latent_quarters=True),
-    "q_bn64_s2": DecodeConfig(64, 16, 4, 2, latent_quarters=True),
-    "q_bn32_int": DecodeConfig(32, 16, 4, 2, latent_quarters=True, int_widen=True),
-    "q_bn32_pps2": DecodeConfig(32, 16, 4, 2, latent_quarters=True, programs_per_sm=2),
-    "q_bn32_pps3": DecodeConfig(32, 16, 4, 2, latent_quarters=True, programs_per_sm=3),
-    "q_bn32_r168": DecodeConfig(32, 16, 4, 2, latent_quarters=True, max_registers=168),
-    "q_bn32_r128": DecodeConfig(32, 16, 4, 2, latent_quarters=True, max_registers=128),
+    "old": DecodeConfig(32, 16, 4, 2),
+    "q_pps3": DecodeConfig(32, 16, 4, 2, latent_quarters=True, programs_per_sm=3),
+    "q_waves4": DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True),
+    "q_waves2": DecodeConfig(32, 16, 4, 2, True, 2, whole_waves=True),
+    "q_r168_waves3": DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168),
+    "q_bn64_waves2": DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True),
 }
 MLA_WIDE_VARIANTS = {  # 64+ heads: fewer programs re-reading each tile
     "default": None,
-    "old_bn32": DecodeConfig(32, 16, 4, 2),
-    "q_bn32_s2": DecodeConfig(32, 16, 4, 2, latent_quarters=True),
-    "q_h32_w8": DecodeConfig(32, 32, 8, 2, latent_quarters=True),
+    "old": DecodeConfig(32, 16, 4, 2),
     "q_h64_w8": DecodeConfig(32, 64, 8, 2, latent_quarters=True),
-    "q_h32_w8_int": DecodeConfig(32, 32, 8, 2, latent_quarters=True, int_widen=True),
+    "q_h64_w8_waves1": DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True),
 }
-GQA_VARIANTS = {
-    "default": None,
-    "int": DecodeConfig(128, 16, 4, 2, int_widen=True),
-}
+GQA_VARIANTS = {"default": None}
 
 
 def _check_variant(kind, config, heads):
@@ -375,10 +368,8 @@ def variants(copy_bw) -> list[dict]:
         for name, cfg in table.items():
             try:
                 if kind == "mla":
-                    cfg = cfg or pick_config(512, heads, True)
                     r = bench_mla(batch, ctx, heads, 64, None, copy_bw, config=cfg)
                 else:
-                    cfg = cfg or pick_config(128, heads // 8, False)
                     r = bench_gqa(batch, ctx, heads, 8, 128, 64, None, copy_bw, config=cfg)
                 r["variant"] = name
                 key = (kind, heads, cfg)
@@ -449,7 +440,7 @@ def main() -> None:
         ).stdout.strip(),
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python"] + sys.argv), "copy_bw_TBps": copy_bw / 1e12,
+        "command": _command_line(args), "copy_bw_TBps": copy_bw / 1e12,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tune:
@@ -464,6 +455,18 @@ def main() -> None:
     sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
 
     rows = []
+    out_file = args.out / "fp8_kv_decode.json"
+
+    def add(row, line):  # saved after every row: a run cut short keeps what it measured
+        rows.append(row)
+        out_file.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        print(line(row), flush=True)
+
+    mla_grid = [(64, 8192, 16), (64, 4096, 64)]
+    if not args.quick:
+        mla_grid = [(64, 4096, 16), (64, 16384, 16), (8, 8192, 16), (64, 4096, 64), (64, 4096, 128)]
+    for batch, ctx, heads in mla_grid:  # MLA first: the models this serves are MLA
+        add(bench_mla(batch, ctx, heads, 64, sglang, copy_bw), _mla_line)
     if args.quick:
         gqa_grid = [(64, 64, 4096), (64, 64, 16384), (64, 8, 1024), (64, 1, 256)]
     else:
@@ -475,33 +478,43 @@ def main() -> None:
         ]
         gqa_grid += [(16, b, c) for b in (8, 64) for c in (1024, 4096, 16384)]
     for page_size, batch, ctx in gqa_grid:
-        rows.append(bench_gqa(batch, ctx, 32, 8, 128, page_size, sglang, copy_bw))
-        print(_gqa_line(rows[-1]), flush=True)
+        add(bench_gqa(batch, ctx, 32, 8, 128, page_size, sglang, copy_bw), _gqa_line)
     for heads, kvh, dim in ((64, 8, 128), (16, 4, 64), (8, 2, 256)):
-        rows.append(bench_gqa(64, 8192, heads, kvh, dim, 64, sglang, copy_bw))
-        print(_gqa_line(rows[-1]), flush=True)
-    mla_grid = [(64, 8192, 16), (64, 4096, 64)]
-    if not args.quick:
-        mla_grid = [(64, 4096, 16), (64, 16384, 16), (8, 8192, 16), (64, 4096, 64), (64, 4096, 128)]
-    for batch, ctx, heads in mla_grid:
-        rows.append(bench_mla(batch, ctx, heads, 64, sglang, copy_bw))
-        print(_mla_line(rows[-1]), flush=True)
+        add(bench_gqa(64, 8192, heads, kvh, dim, 64, sglang, copy_bw), _gqa_line)
     for tokens in (64, 1024, 8192):
         for kvh, dim in ((8, 128), (1, 576)):
-            rows.append(bench_write(tokens, kvh, dim))
-            r = rows[-1]
-            print(f"write {tokens:5d} tok {kvh}x{dim}: bf16 store {r['bf16_store_us']:7.1f}us "
-                  f"fp8 {r['fp8_write_token_head_us']:7.1f}us (per tensor "
-                  f"{r['fp8_write_per_tensor_us']:7.1f}us)  x{r['fp8_vs_bf16_store_time']:.2f}"
-                  " of bf16 time", flush=True)  # fmt: skip
-    rows.append(bench_convert(2048, 64, 8, 128, copy_bw))
-    r = rows[-1]
-    print(f"convert 2048 pages of 64x8x128: {r['us']:.1f}us {r['TBps']:.2f} TB/s "
-          f"({r['frac_copy_bw']:.2f} of copy)", flush=True)  # fmt: skip
-    (args.out / "fp8_kv_decode.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+            add(bench_write(tokens, kvh, dim), _write_line)
+    add(bench_convert(2048, 64, 8, 128, copy_bw), _convert_line)
     print("\n".join([f"copy bandwidth {copy_bw / 1e12:.2f} TB/s"]
                     + [_gqa_line(r) if r["kind"] == "gqa" else _mla_line(r)
                        for r in rows if r["kind"] in ("gqa", "mla")]))  # fmt: skip
+
+
+def _write_line(r):
+    return (f"write {r['tokens']:5d} tok {r['kv_heads']}x{r['dim']}: bf16 store "
+            f"{r['bf16_store_us']:7.1f}us fp8 {r['fp8_write_token_head_us']:7.1f}us (per tensor "
+            f"{r['fp8_write_per_tensor_us']:7.1f}us)  x{r['fp8_vs_bf16_store_time']:.2f}"
+            " of bf16 time")  # fmt: skip
+
+
+def _convert_line(r):
+    return (
+        f"convert {r['pages']} pages of {r['page_size']}x{r['kv_heads']}x{r['dim']}: "
+        f"{r['us']:.1f}us {r['TBps']:.2f} TB/s ({r['frac_copy_bw']:.2f} of copy)"
+    )
+
+
+def _command_line(args) -> str:
+    """The command as run, without this machine's paths: files inside the repository relative to
+    it, the output folder as OUT_DIR."""
+    repo = Path(__file__).resolve().parent.parent
+    words = ["python", "bench/fp8_kv_decode.py"]
+    words += [f"--{flag}" for flag in ("quick", "tune", "variants") if getattr(args, flag)]
+    if args.sglang_kernel:
+        path = args.sglang_kernel.resolve()
+        shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name
+        words += ["--sglang-kernel", str(shown)]
+    return " ".join(words + ["--out", "OUT_DIR"])
 
 
 def _gqa_line(r):

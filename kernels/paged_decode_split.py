@@ -40,29 +40,51 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     latent_quarters: bool = False  # MLA: the latent product as four quarter-width products
-    int_widen: bool = False  # FP8: widen e4m3 by integer bit moves instead of cvt
-    programs_per_sm: int = 4  # what the split plan aims at
+    programs_per_sm: int = 4  # what the split plan aims at (whole_waves: what one SM holds)
+    whole_waves: bool = False  # plan the split so all programs run in one wave
     max_registers: int | None = None  # a per-thread register cap (more programs per SM)
 
 
-def pick_config(head_dim: int, group: int, mla: bool) -> DecodeConfig:
-    """Tile sizes for a head shape, from the sweep in bench/results/fp8_kv_tune.json (H200):
-    GQA tiles of 16384 elements (128 tokens at d128) with 4 warps and 2 stages were best for
-    BF16 and FP8 alike; MLA keeps 32 tokens of 576 dims and 16 heads a program. At most 64
-    query heads a program keeps the fp32 accumulator in registers."""
+def pick_config(head_dim: int, group: int, mla: bool, fp8: bool = False) -> DecodeConfig:
+    """Tile sizes for a head shape, from the sweeps in bench/results/fp8_kv_tune.json and
+    fp8_kv_variants.json (H200).
+
+    GQA: tiles of 16384 elements (128 tokens at d128) with 4 warps and 2 stages were best for
+    BF16 and FP8 alike; at most 64 query heads a program keeps the fp32 accumulator in registers.
+
+    MLA is bound by latency, not bytes: a program's tile time is fixed by its dependent loads
+    and MMA chains, so the context is split into exactly as many programs as the GPU holds at
+    once (a partial second wave cost up to 1.3x). 16 heads a program: the latent in quarters,
+    32 tokens a tile; BF16 compiles to 128 registers (4 programs per SM), FP8 to 186, capped at
+    168 (3 per SM). 64+ heads: 64 heads a program with 8 warps (Triton uses wgmma there),
+    1 program per SM, so each tile is read once instead of by four 16-head programs."""
     if mla:
-        return DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+        if group >= 64:
+            return DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
+        if fp8:
+            return DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
+        return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
 
 
 def plan_splits(
-    programs: int, max_seq_len: int, block_n: int, num_sms: int, programs_per_sm: int = 4
+    programs: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int,
+    programs_per_sm: int = 4,
+    whole_waves: bool = False,
 ) -> int:
-    """How many splits of the context: enough programs to fill the GPU ``programs_per_sm``
-    times over, and at least four tiles in each split so the loads can pipeline."""
-    by_occupancy = triton.cdiv(programs_per_sm * num_sms, max(programs, 1))
+    """How many splits of the context, at least four tiles each so the loads can pipeline.
+
+    By default enough programs to fill the GPU ``programs_per_sm`` times over (rounded up: for
+    bandwidth-bound kernels a last partial wave costs little). With ``whole_waves``, as many
+    splits as keep every program in one wave of ``programs_per_sm`` per SM (rounded down)."""
+    slots = programs_per_sm * num_sms
+    programs = max(programs, 1)
+    by_occupancy = max(1, slots // programs) if whole_waves else triton.cdiv(slots, programs)
     by_length = triton.cdiv(max(max_seq_len, 1), 4 * block_n)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -85,38 +107,14 @@ def _dot(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _widen_fp8(x, INTERPRETED: tl.constexpr, INT_WIDEN: tl.constexpr = False):
-    """e4m3 -> fp16 in registers. As inline assembly Triton cannot move the conversion after
-    the tile's trip through shared memory, where 8-bit operands that need a transpose are read
-    one byte at a time (seen in the PTX: 128 ld.shared.b8 a tile); ``is_pure=False`` keeps it
-    from re-running the conversion in the MMA operand layouts (which brought those loads back).
-
-    ``INT_WIDEN``: no conversion instruction; e4m3's sign goes to fp16's bit 15 and its 7
-    exponent and mantissa bits to bits 7..13, which is the value times 2^-8 (subnormals
-    included; e4m3's NaN becomes the finite 480 * 2^-8). Three integer ops per two values
-    (byte permute with sign fill, shift, mask) instead of one e4m3x2 conversion."""
+def _widen_fp8(x, INTERPRETED: tl.constexpr):
+    """e4m3 -> fp16 in registers, two values per instruction. As inline assembly Triton cannot
+    move the conversion after the tile's trip through shared memory, where 8-bit operands that
+    need a transpose are read one byte at a time (seen in the PTX: 128 ld.shared.b8 a tile);
+    ``is_pure=False`` also keeps it from redoing the conversion in the MMA operand layouts
+    (which brought those byte loads back, 255 registers and spills, in the MLA kernel)."""
     if INTERPRETED:
-        y = x.to(tl.float16)
-        if INT_WIDEN:
-            y = y * (1.0 / 256.0)  # what the bit moves give
-        return y
-    if INT_WIDEN:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b;
-            prmt.b32 a, $2, 0, 0x9180;
-            prmt.b32 b, $2, 0, 0xB3A2;
-            shl.b32 a, a, 7;
-            shl.b32 b, b, 7;
-            and.b32 $0, a, 0xBF80BF80;
-            and.b32 $1, b, 0xBF80BF80;
-            }""",
-            constraints="=r,=r,r",
-            args=[x],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
+        return x.to(tl.float16)
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b16 lo, hi;
@@ -171,7 +169,6 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     V_FROM_K: tl.constexpr,
-    INT_WIDEN: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -219,7 +216,7 @@ def _split_kernel(
             other=0.0,
         )
         if FP8 and V_FROM_K:
-            k = _widen_fp8(k, INTERPRETED, INT_WIDEN)  # it is the V operand too
+            k = _widen_fp8(k, INTERPRETED)  # it is the V operand too
         else:
             k = k.to(compute_dtype)
         s = _dot(q, tl.trans(k), INTERPRETED)
@@ -228,18 +225,12 @@ def _split_kernel(
                 k_base + slot[:, None] * stride_k_slot + offs_r[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            )
-            if FP8 and INT_WIDEN:
-                k_rope = _widen_fp8(k_rope, INTERPRETED, INT_WIDEN)  # same 2^-8 as the latent
-            else:
-                k_rope = k_rope.to(compute_dtype)
+            ).to(compute_dtype)
             s += _dot(q_rope, tl.trans(k_rope), INTERPRETED)
         if FP8:
             k_scale = tl.load(
                 K_SCALE + slot * stride_ks_slot + kvh * stride_ks_head, mask=mask_n, other=0.0
             )
-            if INT_WIDEN and V_FROM_K:
-                k_scale = k_scale * 256.0  # the widened tile is e4m3 * 2^-8
             s *= k_scale[None, :]
         s = tl.where(mask_n[None, :], s * sm_scale_log2e, float("-inf"))
 
@@ -256,7 +247,7 @@ def _split_kernel(
                 other=0.0,
             )
             if FP8:
-                v = _widen_fp8(v, INTERPRETED, INT_WIDEN)
+                v = _widen_fp8(v, INTERPRETED)
             else:
                 v = v.to(compute_dtype)
         if FP8:
@@ -266,8 +257,6 @@ def _split_kernel(
                 v_scale = tl.load(
                     V_SCALE + slot * stride_vs_slot + kvh * stride_vs_head, mask=mask_n, other=0.0
                 )
-                if INT_WIDEN:
-                    v_scale = v_scale * 256.0
             # Scale p by v_scale relative to the tile's largest, so fp16 p keeps its precision.
             v_top = tl.max(v_scale, axis=0)
             pv = (p * (v_scale / v_top)[None, :]).to(compute_dtype)
@@ -286,12 +275,11 @@ def _split_kernel(
 
 
 @triton.jit
-def _quarter(rows, col0, DQ: tl.constexpr, mask_n, FP8: tl.constexpr, INT_WIDEN: tl.constexpr,
-             INTERPRETED: tl.constexpr):  # fmt: skip
+def _quarter(rows, col0, DQ: tl.constexpr, mask_n, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """``DQ`` columns from ``col0`` of the tile's token rows, widened to fp16 when FP8."""
     t = tl.load(rows + col0 + tl.arange(0, DQ)[None, :], mask=mask_n[:, None], other=0.0)
     if FP8:
-        t = _widen_fp8(t, INTERPRETED, INT_WIDEN)
+        t = _widen_fp8(t, INTERPRETED)
     return t
 
 
@@ -323,7 +311,6 @@ def _mla_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
-    INT_WIDEN: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Stage 1 for MLA (one KV head of ``D`` latent + ``D_ROPE`` rope dims, V = the latent
@@ -367,11 +354,11 @@ def _mla_kernel(
         ).to(tl.int64)
         slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
         rows = KV + slot[:, None] * stride_kv_slot
-        k0 = _quarter(rows, 0, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
-        k1 = _quarter(rows, DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
-        k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
-        k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8, INT_WIDEN, INTERPRETED)
-        kr = _quarter(rows, D, D_ROPE, mask_n, FP8, INT_WIDEN, INTERPRETED)
+        k0 = _quarter(rows, 0, DQ, mask_n, FP8, INTERPRETED)
+        k1 = _quarter(rows, DQ, DQ, mask_n, FP8, INTERPRETED)
+        k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8, INTERPRETED)
+        k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8, INTERPRETED)
+        kr = _quarter(rows, D, D_ROPE, mask_n, FP8, INTERPRETED)
         # Two sums of two products each: Triton folds "dot + x" into the dot's accumulator, so
         # this grouping leaves two MMA chains of half the depth instead of one.
         s = (_dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)) + (
@@ -380,8 +367,6 @@ def _mla_kernel(
         s += _dot(qr, tl.trans(kr), INTERPRETED)
         if FP8:
             scale = tl.load(KV_SCALE + slot * stride_s_slot, mask=mask_n, other=0.0)
-            if INT_WIDEN:
-                scale = scale * 256.0  # the widened tile is e4m3 * 2^-8
             s = s * (scale * sm_scale_log2e)[None, :]
         else:
             s = s * sm_scale_log2e
@@ -483,12 +468,15 @@ def paged_decode(
         if d < 16 or d & (d - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {d}")
     group = num_heads // num_kv_heads
-    cfg = config or pick_config(dim, group, v_from_k)
+    cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None)
     head_blocks = triton.cdiv(group, cfg.block_h)
     if max_seq_len is None:
         max_seq_len = int(table.seq_lens.max()) if batch else 0  # a host sync
     programs = batch * num_kv_heads * head_blocks
-    splits = plan_splits(programs, max_seq_len, cfg.block_n, num_sms(q.device), cfg.programs_per_sm)
+    sms = num_sms(q.device)
+    splits = plan_splits(
+        programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves
+    )
 
     if out is None:
         out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
@@ -531,7 +519,6 @@ def paged_decode(
             BLOCK_H=cfg.block_h,
             BLOCK_N=cfg.block_n,
             FP8=scales is not None,
-            INT_WIDEN=cfg.int_widen,
             INTERPRETED=interpreted,
             **launch,
         )
@@ -574,7 +561,6 @@ def paged_decode(
             BLOCK_N=cfg.block_n,
             FP8=scales is not None,
             V_FROM_K=v_from_k,
-            INT_WIDEN=cfg.int_widen,
             INTERPRETED=interpreted,
             **launch,
         )

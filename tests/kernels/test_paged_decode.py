@@ -25,6 +25,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
+from tessera.kernels.paged_decode_split import DecodeConfig, pick_config, plan_splits
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,18 +93,18 @@ def run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form=False, 
     return out, paged_decode_bf16_ref(q, k, v, table, sm_scale)
 
 
-def run_mla(kv_dtype, lens, page_size, heads, latent=512):
+def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None):
     table, num_pages = random_table(lens, page_size, sglang_form=False)
     q = torch.randn(len(lens), heads, latent + 64, device=DEVICE).bfloat16()
     kv = torch.randn(num_pages, page_size, 1, latent + 64, device=DEVICE).bfloat16()
     sm_scale = (128 + 64) ** -0.5
     out = poisoned(len(lens), heads, latent)
     if kv_dtype == "bf16":
-        paged_decode_mla_bf16(q, kv, table, sm_scale, out=out)
+        paged_decode_mla_bf16(q, kv, table, sm_scale, out=out, config=config)
         ref = paged_decode_mla_bf16_ref(q, kv, table, sm_scale)
     else:
         kv8, s = quantized(kv)
-        paged_decode_mla_fp8(q, kv8, s, table, sm_scale, out=out)
+        paged_decode_mla_fp8(q, kv8, s, table, sm_scale, out=out, config=config)
         ref = paged_decode_mla_fp8_ref(q, kv8, s, table, sm_scale)
     assert_close(out, ref, REL_L2[kv_dtype])
 
@@ -122,8 +123,35 @@ def test_gqa_matches_reference(kv_dtype, lens, page_size, heads, kv_heads, dim, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_mla_matches_reference(kv_dtype):
-    run_mla(kv_dtype, [3, 41], 16, heads=16)
+@pytest.mark.parametrize(
+    ("heads", "config"),
+    [
+        (16, None),  # the default: latent in quarters
+        (20, DecodeConfig(32, 16, 4, 2)),  # one 576-wide tile (the generic kernel), 2 head blocks
+        (64, None),  # 64 heads a program
+    ],
+)
+def test_mla_matches_reference(kv_dtype, heads, config):
+    run_mla(kv_dtype, [3, 41], 16, heads=heads, config=config)
+
+
+def test_whole_wave_split_plan_never_starts_a_second_wave():
+    for programs in (1, 8, 63, 64, 65, 132, 400, 1000):
+        splits = plan_splits(programs, 1 << 20, 32, 132, 3, whole_waves=True)
+        assert programs * splits <= max(3 * 132, programs)
+        assert programs * (splits + 1) > 3 * 132 or splits == 64  # and fills it
+    # short contexts keep at least four tiles a split
+    assert plan_splits(8, 1000, 32, 132, 3, whole_waves=True) == 8
+    # the default (bandwidth-bound kernels) rounds up
+    assert plan_splits(64, 1 << 20, 32, 132) == 9
+
+
+def test_mla_defaults_follow_the_dtype_and_head_count():
+    bf16, fp8 = pick_config(512, 16, mla=True), pick_config(512, 16, mla=True, fp8=True)
+    assert bf16.latent_quarters and fp8.latent_quarters
+    assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
+    assert (fp8.programs_per_sm, fp8.max_registers) == (3, 168)
+    assert pick_config(512, 128, mla=True).block_h == 64
 
 
 def test_per_tensor_scales_read_through_a_stride_0_view():
