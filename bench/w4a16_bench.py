@@ -239,9 +239,10 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     tokens = x.shape[0]
     pairs = tokens * top_k
     aligned = [align_to_experts(r[1], experts, up.block_m) for r in rs]
+    aligned_down = [align_to_experts(r[1], experts, down.block_m) for r in rs]
     act = moe_gemm(x, w13, *aligned[0], pairs, top_k, up, silu_mul=True)
     routing = [r[0].reshape(-1) for r in rs]
-    out = moe_gemm(act, w2, *aligned[0], pairs, 1, down, routing[0])
+    out = moe_gemm(act, w2, *aligned_down[0], pairs, 1, down, routing[0])
 
     def torch_align(i):
         saved = w4a16_moe.ALIGN_KERNEL_MAX_PAIRS
@@ -262,7 +263,7 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
         "up_gemm_silu_fused": lambda i: moe_gemm(x, w13, *aligned[i], pairs, top_k, up,
                                                  silu_mul=True),
         "up_gemm_then_torch_silu": up_then_silu,
-        "down_gemm": lambda i: moe_gemm(act, w2, *aligned[i], pairs, 1, down, routing[i]),
+        "down_gemm": lambda i: moe_gemm(act, w2, *aligned_down[i], pairs, 1, down, routing[i]),
         "topk_sum_kernel": lambda i: _topk_sum(out, tokens, top_k),
         "topk_sum_torch_ops": lambda i: out.view(tokens, top_k, -1).sum(
             1, dtype=torch.float32).to(torch.bfloat16),

@@ -312,7 +312,7 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     if num_pairs > 4 * num_experts:
         return [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
     out = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
-    return out + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (128, 256)]
+    return out + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
