@@ -762,6 +762,47 @@ def pick_sglang_config(k: SglangKernels, x: torch.Tensor, e: Experts,
     return {"config": k.config, "candidates_us": [round(times[i], 1) for i in sorted(times)]}
 
 
+def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
+    """Per-layer time of three parts of the MoE layer, each alone in a graph over the slice's
+    layers (fresh random inputs of the real shapes): the routed experts, every dense linear,
+    and the attention kernel with its KV store. The layer time minus these is the rest
+    (norms, the absorbed-MLA bmm's, copies, router top-k, gather/scatter, SiLU)."""
+    s, ops, batch, n = step.s, step.ops, step.batch, len(step.batch.lengths)
+    gen = Gen(step.batch.new_slots.device, seed=99)
+    layers = list(zip(step.w.moe, step.moe_caches, step.routing, strict=True))
+    linear_inputs = []
+    for attn, moe in step.w.moe:
+        lins = [attn.qkv_a, attn.q_b, attn.o, *attn.indexer, moe.router, moe.shared.up,
+                moe.shared.down]  # fmt: skip
+        linear_inputs += [(gen.randn(n, _in_features(lin)), lin) for lin in lins]
+    expert_inputs = [(gen.randn(r.tokens.numel(), s.hidden), moe.experts, r)
+                     for (_, moe), _, r in layers]  # fmt: skip
+    q = gen.randn(n, s.heads, s.latent_dim)
+    new = gen.randn(n, 1, s.latent_dim)
+
+    def attention() -> None:
+        for _, cache, _ in layers:
+            ops.write_kv(cache, new, batch.new_slots)
+            ops.attend(q, cache, batch, s.sm_scale)
+
+    parts = {
+        "routed_experts": lambda: [ops.moe(x, e, r) for x, e, r in expert_inputs],
+        "dense_linears": lambda: [ops.linear(x, lin) for x, lin in linear_inputs],
+        "attention_kernel": attention,
+    }
+    out = {}
+    for name, fn in parts.items():
+        graph = capture(fn, warmup=1)
+        replay_seconds(graph)
+        out[name] = median([replay_seconds(graph) for _ in range(replays)]) * 1e3 / len(layers)
+        del graph
+    return out
+
+
+def _in_features(lin: Linear) -> int:
+    return lin.weight.k if isinstance(lin.weight, W4A16Weight) else lin.weight.shape[1]
+
+
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -818,9 +859,17 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             g_off = capture(lambda step=step: step.rest(False))
             g_on = capture(lambda step=step: step.rest(True))
             samples = time_points(g_off, g_on, g_layers, args.replays)
+            del g_layers, g_off, g_on
             bad = int(batch.integrity.step().sum().item())
+            parts = component_ms(step, max(5, args.replays // 3))
             row = _row(name, w, kv, c, plan, admitted=True)
             row.update(summarize(samples, c, args.slice_layers, shape.moe_layers))
+            parts["rest_of_layer"] = row["moe_layer_ms"] - sum(parts.values())
+            expert_bytes = weights[w].moe[0][1].experts.nbytes / shape.local_experts
+            distinct = sum(r.distinct_experts for r in routing[c]) / len(routing[c])
+            row["components_ms_per_moe_layer"] = parts
+            row["routed_expert_bytes_per_layer"] = distinct * expert_bytes
+            row["routed_experts_TBps"] = distinct * expert_bytes / parts["routed_experts"] / 1e9
             row.update({
                 "integrity_bad_pages": bad,
                 "critical_gpu_distinct_experts": [r.distinct_experts for r in routing[c]],
@@ -835,7 +884,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
                   f"({row['tok_s']:8.0f} tok/s)  integrity +{row['integrity_step_pct']:.2f}% "
                   f"p95 {row['p95_ms']:.3f}/{row['p95_ms_integrity']:.3f} ms  "
                   f"bad pages {bad}  [{row['seconds']} s]", flush=True)  # fmt: skip
-            del g_layers, g_off, g_on, step, batch
+            del step, batch
         del dense_caches, moe_caches
         torch.cuda.empty_cache()
     info["seconds"] = round(time.time() - t0, 1)
@@ -900,6 +949,15 @@ def summary_lines(rows: list[dict], models: list[str], levels: list[int]) -> lis
     for m in models:
         lines.append(f"\n{m}: decode tok/s per replica (8 GPUs), integrity off")
         lines += throughput_table(rows, m, levels)
+        lines.append(f"{m}: per-request step time (ms), integrity off")
+        lines += throughput_table(rows, m, levels, "step_ms", "{:.2f}")
+        lines.append(f"{m}: integrity on vs off, median step (%) / p95 step (ms, on)")
+        marked = [
+            {**r, "cell": f"{r['integrity_step_pct']:+.2f}% / {r['p95_ms_integrity']:.2f}"}
+            if r["admitted"] else r
+            for r in rows
+        ]  # fmt: skip
+        lines += throughput_table(marked, m, levels, "cell", "{}")
         for w in WEIGHT_DTYPES:
             k = kv_comparison(rows, m, w)
             if k:

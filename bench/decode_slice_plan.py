@@ -344,9 +344,9 @@ def config_label(weights: str, kv: str) -> str:
 
 
 def throughput_table(rows: Sequence[Row], model: str, levels: Sequence[int] = CONCURRENCY,
-                     key: str = "tok_s") -> list[str]:  # fmt: skip
-    """Markdown table: one row per concurrency, one column per configuration (tok/s per
-    replica of 8 GPUs), "OOM" where the KV pool does not admit the level."""
+                     key: str = "tok_s", fmt: str = "{:,.0f}") -> list[str]:  # fmt: skip
+    """Markdown table: one row per concurrency, one column per configuration (by default tok/s
+    per replica of 8 GPUs), "OOM" where the KV pool does not admit the level."""
     head = "| concurrency | " + " | ".join(config_label(w, kv) for w, kv in CONFIGS) + " |"
     lines = [head, "|---:|" + "---:|" * len(CONFIGS)]
     index = {(r["weights"], r["kv"], r["concurrency"]): r for r in rows if r["model"] == model}
@@ -354,6 +354,6 @@ def throughput_table(rows: Sequence[Row], model: str, levels: Sequence[int] = CO
         cells = []
         for w, kv in CONFIGS:
             r = index.get((w, kv, c))
-            cells.append("-" if r is None else f"{r[key]:,.0f}" if r["admitted"] else "OOM")
+            cells.append("-" if r is None else fmt.format(r[key]) if r["admitted"] else "OOM")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
