@@ -82,7 +82,7 @@ from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16, paged_decod
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels.w4a16_gemm import w4a16_matmul, w4a16_matmul_reference
+from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul, w4a16_matmul_reference
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
 
@@ -888,6 +888,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
         del dense_caches, moe_caches
         torch.cuda.empty_cache()
     info["seconds"] = round(time.time() - t0, 1)
+    info["int4_tuned"] = {" ".join(map(str, k[:4])): str(v) for k, v in _TUNED.items()}
     return rows, info
 
 
@@ -1000,9 +1001,9 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"),
         "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
         "sglang_kernels": f"sglang {sglang_version}: {sglang_src.name}, fp8_kernel.py",
-        "commit": run("git", "rev-parse", "HEAD") or args.commit,
+        "commit": args.commit or run("git", "rev-parse", "HEAD"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/decode_slice.py", *argv[1:]]),
+        "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
                   "latent cache of every request on every GPU), MoE EP 8 (1/8 of the routed "
                   "experts per GPU, shared expert and dense MLP split 8 ways)",
@@ -1020,6 +1021,18 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "slice_layers": args.slice_layers, "replays": args.replays,
         "sglang_fp8_configs": list(SGLANG_FP8_CONFIGS),
     }  # fmt: skip
+
+
+def _portable(arg: str) -> str:
+    """A command-line argument without this machine's paths: repository paths relative, any
+    other absolute path as OUT."""
+    path = Path(arg)
+    if not path.is_absolute():
+        return arg
+    try:
+        return str(path.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return "OUT"
 
 
 def plot(results: Path, img_dir: Path) -> list[Path]:
