@@ -267,6 +267,18 @@ def _w4a16_accumulate(
     return acc
 
 
+@triton.jit
+def _gpu_fence(x, GPU: tl.constexpr):
+    """``x`` (an int32 scalar), after a ``fence.acq_rel.gpu`` in every thread on the GPU: the
+    thread's earlier global writes and atomics are performed GPU-wide before its later ones."""
+    if GPU:
+        return tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
@@ -276,7 +288,7 @@ def _w4a16_gemm_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr = False, SWAP: tl.constexpr = False,
+    FUSED_REDUCE: tl.constexpr = False, SWAP: tl.constexpr = False, GPU: tl.constexpr = True,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
     splits (``SPLIT``: ``split_k > 1``).
@@ -284,8 +296,9 @@ def _w4a16_gemm_kernel(
     Split K: without ``FUSED_REDUCE`` every split adds into an fp32 ``out`` (zeroed, then cast by
     the caller). With it, splits add into the fp32 workspace ``ws [M, N]`` and count themselves in
     ``cnt[tile]``; the last to arrive writes the bf16 tile and leaves workspace and counter zero
-    for the next call, so one launch does it all. The barrier and the acquire-release counter
-    order every thread's adds before the last program's reads, which bypass L1.
+    for the next call, so one launch does it all. Per-thread GPU fences, the barrier and the
+    acquire-release counter order every thread's adds before the last program's reads, which
+    bypass L1. ``GPU`` is false under the interpreter (no PTX there).
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
@@ -316,9 +329,14 @@ def _w4a16_gemm_kernel(
     elif FUSED_REDUCE:
         ws = ws_ptr + ws_idx
         tl.atomic_add(ws, acc, mask=o_mask, sem="relaxed")
+        # every thread waits for its own adds to be performed GPU-wide before the barrier (the
+        # v3 GPU check once saw a tile missing one split without this), and again on the last
+        # program's side before it reads; the fence's output orders the dependent accesses
+        tile = _gpu_fence(pid, GPU)
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
+            ws += (_gpu_fence(tile, GPU) - pid) * 16  # zero; x 16 keeps 16-byte loads
             total = tl.load(ws, mask=o_mask, other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.store(ws, tl.zeros_like(acc), mask=o_mask)
@@ -486,7 +504,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
         EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, FUSED_REDUCE=fused,
-        SWAP=cfg.swap,
+        SWAP=cfg.swap, GPU=not interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 or fused else out.to(torch.bfloat16)
