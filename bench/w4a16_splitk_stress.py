@@ -46,8 +46,9 @@ def main() -> None:
                     bad += not rel <= TOLERANCE
                 rows.append({"n": n, "k": k, "group": group, "m": m, "config": asdict(cfg),
                              "runs": a.repeats, "bad": bad, "worst_rel_l2": worst})  # fmt: skip
-                print(f"N{n} K{k} g{group} M{m} {cfg.block_m}x{cfg.block_n} split {cfg.split_k} "
-                      f"swap {cfg.swap}: {bad}/{a.repeats} bad, worst {worst:.2e}", flush=True)  # fmt: skip
+                tile = f"{cfg.block_m}x{cfg.block_n} split {cfg.split_k} swap {cfg.swap}"
+                print(f"N{n} K{k} g{group} M{m} {tile}: {bad}/{a.repeats} bad, worst {worst:.2e}",
+                      flush=True)  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
     total = sum(r["bad"] for r in rows)
     result = {"gpu": torch.cuda.get_device_name(), "tolerance": TOLERANCE, "bad_total": total,
