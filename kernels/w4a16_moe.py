@@ -308,11 +308,16 @@ def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
 def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     """Blocks of 64 rows beyond decode sizes; at decode sizes (about one pair per expert block)
     16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
-    half the tensor-core work of a 16-row block)."""
+    half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
+    expert (GLM 5's slice at 128 requests) 64-row blocks alone ran the experts 10.8x slower than
+    at 64 requests."""
+    large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
+    if num_pairs > 16 * num_experts:
+        return large
+    small = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
     if num_pairs > 4 * num_experts:
-        return [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
-    out = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
-    return out + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
+        return small + large
+    return small + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
