@@ -142,7 +142,7 @@ def _short(cfg) -> str:
         return cfg.path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
     split = getattr(cfg, "split_k", 1)
-    return text + (f"k{split}{'f' if cfg.fused_reduce else 'a'}" if split > 1 else "")
+    return text + (f"k{split}" if split > 1 else "")
 
 
 def load_sglang_moe_kernel(path: Path):

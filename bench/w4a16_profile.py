@@ -26,7 +26,7 @@ def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
 def main() -> None:
     w = random_int4((), 16384, 7168, 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-    gemm_cfg = GemmConfig("triton", 8, 256, 128, 4, 4, 4, fused_reduce=True, swap=True)
+    gemm_cfg = GemmConfig("triton", 8, 256, 128, 4, 4, 4, swap=True)
     experts, hidden, inter = 384, 7168, 2048
     w13 = random_int4((experts,), 2 * inter, hidden, 32)
     ids = torch.randperm(experts, device="cuda")[:8].view(1, 8)

@@ -267,38 +267,24 @@ def _w4a16_accumulate(
     return acc
 
 
-@triton.jit
-def _gpu_fence(x, GPU: tl.constexpr):
-    """``x`` (an int32 scalar), after a ``fence.acq_rel.gpu`` in every thread on the GPU: the
-    thread's earlier global writes and atomics are performed GPU-wide before its later ones."""
-    if GPU:
-        return tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    return x
-
-
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr = False, SWAP: tl.constexpr = False, GPU: tl.constexpr = True,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
     splits (``SPLIT``: ``split_k > 1``).
 
-    Split K: without ``FUSED_REDUCE`` every split adds into an fp32 ``out`` (zeroed, then cast by
-    the caller). With it, splits add into the fp32 workspace ``ws [M, N]`` and count themselves in
-    ``cnt[tile]``; the last to arrive writes the bf16 tile and leaves workspace and counter zero
-    for the next call, so one launch does it all. Per-thread GPU fences, the barrier and the
-    acquire-release counter order every thread's adds before the last program's reads, which
-    bypass L1. ``GPU`` is false under the interpreter (no PTX there).
+    Split K: every split adds into an fp32 ``out`` (zeroed, then cast by the caller). A reduction
+    inside the launch (the last split to arrive writes the tile) was tried and removed: with
+    per-thread GPU fences, a barrier and an acquire-release arrival counter it still returned
+    wrong tiles in 975 of 4,700 runs on the H200 (bench/results/w4a16_splitk_stress_fused.json).
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
@@ -317,30 +303,13 @@ def _w4a16_gemm_kernel(
     )  # fmt: skip
     if SWAP:  # acc is [BN, BM]: address the output transposed
         idx = offs_m[None, :] * stride_om + offs_n[:, None]
-        ws_idx = offs_m[None, :] * N + offs_n[:, None]
         o_mask = m_mask[None, :] & n_mask[:, None]
     else:
         idx = offs_m[:, None] * stride_om + offs_n[None, :]
-        ws_idx = offs_m[:, None] * N + offs_n[None, :]
         o_mask = m_mask[:, None] & n_mask[None, :]
     out = out_ptr + idx
     if not SPLIT:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    elif FUSED_REDUCE:
-        ws = ws_ptr + ws_idx
-        tl.atomic_add(ws, acc, mask=o_mask, sem="relaxed")
-        # every thread waits for its own adds to be performed GPU-wide before the barrier (the
-        # v3 GPU check once saw a tile missing one split without this), and again on the last
-        # program's side before it reads; the fence's output orders the dependent accesses
-        tile = _gpu_fence(pid, GPU)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            ws += (_gpu_fence(tile, GPU) - pid) * 16  # zero; x 16 keeps 16-byte loads
-            total = tl.load(ws, mask=o_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(ws, tl.zeros_like(acc), mask=o_mask)
-            tl.store(cnt_ptr + pid, 0)
     else:
         tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
 
@@ -380,7 +349,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
-    fused_reduce: bool = False  # split K reduced in the same launch (see the kernel)
     swap: bool = False  # weights as the dot's first operand: acc [BN, BM], 8-row token tiles
 
 
@@ -401,13 +369,11 @@ def _split_counts(tiles: int) -> list[int]:
 
 
 def _tile_configs(m: int, n: int, tiles: list[tuple], swap: bool) -> list[GemmConfig]:
-    """Each ``(block_m, block_n, warps, stages)`` tile with its split counts (fused reduction
-    whenever split)."""
+    """Each ``(block_m, block_n, warps, stages)`` tile with its split counts."""
     out = []
     for bm, bn, warps, stages in tiles:
         for s in _split_counts(triton.cdiv(n, bn) * triton.cdiv(m, bm)):
-            out.append(GemmConfig("triton", bm, bn, 128, s, warps, stages,
-                                  fused_reduce=s > 1, swap=swap))  # fmt: skip
+            out.append(GemmConfig("triton", bm, bn, 128, s, warps, stages, swap=swap))
     return out
 
 
@@ -460,54 +426,27 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
     return out
 
 
-_SPLIT_WS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_SPLIT_WS_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _split_workspace(device: torch.device, numel: int, tiles: int):
-    """The zeroed fp32 workspace and tile counters of the fused split-K reduction (the kernel
-    leaves them zero), grown outside CUDA-graph capture only. One stream at a time."""
-    ws, cnt = _SPLIT_WS.get(device, (None, None))
-    if ws is None or ws.numel() < numel or cnt.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the split-K workspace must grow while a CUDA graph is being captured: run this "
-                "shape once before capturing"
-            )
-        if ws is not None:  # CUDA graphs captured earlier still point at the old buffers
-            _SPLIT_WS_RETIRED.append((ws, cnt))
-        numel = max(numel, 0 if ws is None else ws.numel())
-        tiles = max(tiles, 0 if cnt is None else cnt.numel())
-        ws = torch.zeros(numel, dtype=torch.float32, device=device)
-        cnt = torch.zeros(tiles, dtype=torch.int32, device=device)
-        _SPLIT_WS[device] = (ws, cnt)
-    return ws, cnt
-
-
 def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
-    fused = cfg.split_k > 1 and cfg.fused_reduce
-    if cfg.split_k == 1 or fused:
+    if cfg.split_k == 1:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
     else:
         out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
-    ws, cnt = _split_workspace(x.device, m * w.n, tiles) if fused else (out, out)
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     _w4a16_gemm_kernel[(tiles, cfg.split_k)](
-        x, w.qweight, w.scales, zeros, out, ws, cnt,
+        x, w.qweight, w.scales, zeros, out,
         m, w.n, w.k, cfg.split_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, FUSED_REDUCE=fused,
-        SWAP=cfg.swap, GPU=not interpreted(),
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, SWAP=cfg.swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out if cfg.split_k == 1 or fused else out.to(torch.bfloat16)
+    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}

@@ -135,6 +135,12 @@ def test_mla_matches_reference(kv_dtype, heads, config):
     run_mla(kv_dtype, [3, 41], 16, heads=heads, config=config)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_mla_pages_wider_than_tiles(kv_dtype):
+    """64-token pages hold several tiles: the kernel reads one page entry per tile."""
+    run_mla(kv_dtype, [3, 100, 130], 64, heads=16)
+
+
 def test_whole_wave_split_plan_never_starts_a_second_wave():
     for programs in (1, 8, 63, 64, 65, 132, 400, 1000):
         splits = plan_splits(programs, 1 << 20, 32, 132, 3, whole_waves=True)

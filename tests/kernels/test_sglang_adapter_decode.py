@@ -218,7 +218,11 @@ def test_gqa_routed_equals_sglang(kv_dtype, lens, page_size, heads, kv_heads, di
 
 @pytest.mark.parametrize(
     ("kv_dtype", "lens", "page_size", "scales"),
-    [("bf16", [3, 41], 1, (1.0, 1.0)), ("fp8_e4m3", [29, 1], 16, (0.03, 0.05))],
+    [
+        ("bf16", [3, 41], 1, (1.0, 1.0)),
+        ("fp8_e4m3", [29, 1], 16, (0.03, 0.05)),
+        ("bf16", [70, 130], 64, (1.0, 1.0)),  # pages of several tiles, one entry read per tile
+    ],
 )
 def test_mla_routed_equals_sglang(kv_dtype, lens, page_size, scales):
     """MLA as SGLang's MLA pool hands it over: V is a prefix view of the K rows, 512 latent + 64
