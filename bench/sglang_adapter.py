@@ -26,7 +26,6 @@ import importlib.util
 import json
 import math
 import platform
-import subprocess
 import sys
 import traceback
 import types
@@ -349,26 +348,19 @@ def bench_moe(experts: int, hidden: int, inter: int, top_k: int, group: int, tok
 # ---------------------------------------------------------------- driver
 
 
-def meta(argv) -> dict:
+def meta(args: argparse.Namespace) -> dict:
     import sglang
 
-    def git(*args: str) -> str:
-        here = Path(__file__).parent
-        run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
-        return run.stdout
-
-    commit = git("rev-parse", "--short", "HEAD").strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
     return {
-        "uncommitted_changes": dirty.split("\n")[:-1],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "sglang": sglang.__version__,
         "python": platform.python_version(),
-        "commit": commit or None,
-        "argv": argv,
+        "commit": args.commit or None,
+        "command": f"python bench/sglang_adapter.py --sections {args.sections}"
+        + (" --quick" if args.quick else ""),
         "timing": "median of CUDA-graph replays (bench/timing.py)",
     }
 
@@ -388,9 +380,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="decode,linear,moe", help="comma-separated subset")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
     a = ap.parse_args()
     torch.manual_seed(0)
-    results: dict = {"meta": {**meta(sys.argv[1:]), "sgl_kernel": sgl_kernel_status()}}
+    results: dict = {"meta": {**meta(a), "sgl_kernel": sgl_kernel_status()}}
     decode = [("gqa", 32, 4096, 32, 8, 128), ("gqa", 8, 16384, 32, 8, 128),
               ("mla", 32, 4096, 16, 1, 512), ("mla", 8, 16384, 16, 1, 512),
               ("mla", 64, 2048, 16, 1, 512)]  # fmt: skip
