@@ -31,7 +31,6 @@ from triton.compiler import ASTSource
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 GEMM_SIGNATURE = {
     "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
-    "ws_ptr": "*fp32", "cnt_ptr": "*i32",
     "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
     "stride_xm": "i32", "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
