@@ -92,7 +92,8 @@ def _models_volume(uri: str) -> Obj | None:
     return {"name": "models", "emptyDir": {}}
 
 
-def _scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
+def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
+    """The node selector (pool merged with phase) and the pool's tolerations of a phase's pods."""
     pool = spec.get("nodePool", {})
     out: Obj = {}
     selector = {**pool.get("nodeSelector", {}), **spec[phase].get("nodeSelector", {})}
@@ -152,7 +153,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
                            if models_volume else [])],
     }
     pod_spec = {
-        **_scheduling(spec, phase),
+        **phase_scheduling(spec, phase),
         "serviceAccountName": child_name(name, c.ENGINE),
         "containers": [container],
         "volumes": [

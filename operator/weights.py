@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.operator import constants as c
-from tessera.operator.children import child_name, owned_metadata, phases_of, stable_hash
+from tessera.operator.children import (
+    child_name,
+    owned_metadata,
+    phase_scheduling,
+    phases_of,
+    stable_hash,
+)
 from tessera.operator.conditions import FALSE, TRUE, Condition, make_condition
 from tessera.runtime.planner import Architecture
 from tessera.runtime.quantize.job import converter_job
@@ -56,7 +62,9 @@ def largest_tensor_bytes(arch: Architecture) -> int:
 
 
 def converter_job_child(md: Mapping[str, Any], phase: str, largest_tensor: int) -> Obj:
-    """The Job converting `phase`'s weights; pods run in the engine image, without a GPU."""
+    """The Job converting `phase`'s weights; pods run in the engine image, without a GPU, on the
+    phase's nodes (its node selector, the pool's tolerations): where the output claim will be
+    mounted, and the only nodes a GPU-only cluster has."""
     weights = md["spec"][phase]["weights"]
     job = converter_job(Options(group_size=int(weights.get("groupSize", 128))), largest_tensor)
     src_claim, src_dir = _pvc(weights["convertFrom"]["uri"])
@@ -94,6 +102,7 @@ def converter_job_child(md: Mapping[str, Any], phase: str, largest_tensor: int) 
                                     "resources": resources,
                                     "volumeMounts": [{**output_mount, "readOnly": True}]}],
                     "volumes": volumes,
+                    **phase_scheduling(md["spec"], phase),
                 },
             },
         },

@@ -96,8 +96,28 @@ def test_job_runs_convert_then_verify_with_the_converter_contract() -> None:
                 "volumes": [
                     {"name": "output", "persistentVolumeClaim": {"claimName": "int4"}},
                     {"name": "source", "persistentVolumeClaim": {"claimName": "fp8",
-                                                                 "readOnly": True}}]}}}}
+                                                                 "readOnly": True}}],
+                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200",
+                                 "tessera.dev/pool": "decode"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                 "effect": "NoSchedule"}]}}}}
     assert job.argv[:3] == ["tessera", "quantize", "convert"] and "32" in job.argv
+
+
+def test_job_runs_on_the_phase_nodes_like_its_deployment() -> None:
+    """The conversion lands where the phase's pods will mount its output (and, on a cluster of
+    tainted GPU nodes only, somewhere at all)."""
+    md = converting()
+    md["spec"]["nodePool"]["nodeSelector"] = {"pool": "h200"}
+    md["spec"]["decode"]["nodeSelector"] = {"zone": "a"}
+    desired = intend(md, render_configs).desired
+    (deploy,) = [o for o in desired if o["kind"] == "Deployment"
+                 and o["metadata"]["labels"].get(c.LABEL_PHASE) == c.DECODE]
+    job_pod, deploy_pod = job_of(md)["spec"]["template"]["spec"], deploy["spec"]["template"]["spec"]
+    assert job_pod["nodeSelector"] == deploy_pod["nodeSelector"] == {"pool": "h200", "zone": "a"}
+    assert job_pod["tolerations"] == deploy_pod["tolerations"]
+    assert "resources" not in job_pod and all(
+        "nvidia.com/gpu" not in str(ct["resources"]) for ct in job_pod["initContainers"])
 
 
 def test_source_and_output_on_one_claim_share_one_volume() -> None:
