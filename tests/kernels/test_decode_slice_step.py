@@ -7,17 +7,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import decode_slice as ds  # noqa: E402
 from decode_slice_plan import SliceShape  # noqa: E402
 from tessera.kernels.page_tag_check import page_tag_check  # noqa: E402
-from tessera.kernels.w4a16_gemm import interpreted  # noqa: E402
 
 # Every dimension a multiple of the FP8 block (128) or the INT4 group where it must be, MLA with
 # a 64-wide latent + 64 rope dims, a DSA-style indexer, 2 GPUs' worth of 8 experts, top 2.
@@ -30,61 +27,7 @@ LENGTHS = [128, 64, 192]  # full pages, so each request decodes the last slot of
 POOL_PAGES = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_like_the_gpu():
-    """Make the Triton interpreter compute bf16 and e4m3 like the GPU, for this module only.
-
-    Its gaps (triton 3.9 on CPU): ``tl.dot`` multiplies bf16 and e4m3 operands as their raw
-    bits; fp32 -> bf16 casts truncate; its round-to-nearest cast to e4m3 drops the carry into
-    the exponent (127.9 becomes 64). Here dots widen to fp32 and those casts go through torch.
-    """
-    if not interpreted():
-        yield
-        return
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
-    as_torch = {tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
-                tl.float16: torch.float16, tl.float32: torch.float32}  # fmt: skip
-
-    def values(h) -> torch.Tensor:
-        raw = torch.from_numpy(np.ascontiguousarray(h.data))
-        return raw.view(as_torch[h.dtype.scalar])
-
-    def handle(t: torch.Tensor, dtype):
-        bits = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8}.get(t.dtype)
-        return interpreter.TensorHandle((t.view(bits) if bits else t).numpy(), dtype)
-
-    def widen(h):
-        if h.dtype.scalar not in (tl.bfloat16, tl.float8e4nv):
-            return h
-        return handle(values(h).float(), tl.float32)
-
-    def rounded(src, dst_type):
-        """fp -> bf16 / e4m3 rounded to nearest even by torch, or None for other casts."""
-        src_t, dst_t = src.dtype.scalar, dst_type.scalar
-        if src_t not in as_torch or dst_t not in (tl.bfloat16, tl.float8e4nv) or src_t == dst_t:
-            return None
-        return handle(values(src).float().to(as_torch[dst_t]), dst_t)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        out = rounded(src, dst_type)
-        return out if out is not None else cast(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        out = rounded(src, dst_type)
-        return out if out is not None else fp_to_fp(self, src, dst_type, rounding_mode)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(builder, "create_dot", create_dot)
-        mp.setattr(builder, "cast_impl", cast_impl)
-        mp.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
-        mp.setattr(builder, "create_fp_trunc", lambda self, src, t: self.cast_impl(src, t))
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ atol 1e-2 (plus 1e-2 relative, the bf16 rounding of the output) and rel-L2 <= 5e
 On CPU both run under the Triton interpreter. The interpreter stores bf16 as raw uint16 and its
 ``tl.dot`` multiplies those integers (garbage out), so SGLang's grouped-head kernel, which dots bf16
 tiles, only runs after the interpreter's dot is taught to widen bf16 first
-(``gpu_like_interpreter`` below, shared with the W4A16 test; a fix to Triton's interpreter,
+(``gpu_like_interpreter`` in conftest.py; a fix to Triton's interpreter,
 SGLang's and tessera's kernels are untouched). SGLang's one-head-per-KV-head kernel
 (``kv_group_num == 1``) multiplies bf16 element-wise, which the interpreter also does on the raw
 integers, so MHA layouts are compared on the GPU only.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import zlib
 
-import numpy as np
 import pytest
 import torch
 from tessera.kernels.paged_decode_bf16 import decode_attention_ref
@@ -34,47 +33,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL, REL_L2 = 1e-2, 5e-3
 
 
-@pytest.fixture(autouse=True)
-def gpu_like_interpreter(monkeypatch):
-    """Under the Triton interpreter, bf16 and e4m3 computed the GPU's way: ``tl.dot`` operands
-    widened to fp32 (exact) instead of multiplied as raw uint16 bits, fp32 -> bf16 casts rounded
-    to nearest even instead of truncated, bf16/fp32 -> e4m3 casts rounded to nearest even and
-    saturated. Fixes Triton's interpreter only; no kernel is changed."""
-    if DEVICE == "cuda":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
-
-    def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bf16 = torch.from_numpy(np.ascontiguousarray(src.data)).bfloat16()
-            return interpreter.TensorHandle(bf16.view(torch.int16).numpy().view(np.uint16),
-                                            tl.bfloat16)  # fmt: skip
-        return cast(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.bfloat16, tl.float32):
-            wide = torch.from_numpy(np.ascontiguousarray(widen(src).data, dtype=np.float32))
-            e4m3 = wide.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-            return interpreter.TensorHandle(e4m3.numpy(), tl.float8e4nv)
-        return fp_to_fp(self, src, dst_type, rounding_mode)
-
-    monkeypatch.setattr(builder, "create_dot", create_dot)
-    monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
-    monkeypatch.setattr(builder, "cast_impl", cast_impl)
-    monkeypatch.setattr(builder, "create_fp_trunc", lambda self, src, t: self.cast_impl(src, t))
+pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ import torch
 from tessera.kernels.w4a16_moe import fused_moe_reference
 from tessera.runtime.sglang_kernels import w4a16
 from tessera.runtime.sglang_kernels.fallback import Fallbacks
-from test_sglang_adapter_decode import gpu_like_interpreter, seeded  # noqa: F401 (autouse fixtures)
+from test_sglang_adapter_decode import seeded  # noqa: F401 (an autouse fixture)
 
 linear_mod = pytest.importorskip(
     "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16"
@@ -33,6 +33,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 from sglang.srt.layers.moe import MoeRunnerConfig  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REL_L2 = 5e-3
 

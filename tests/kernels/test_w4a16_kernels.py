@@ -5,15 +5,12 @@ add real decode shapes. Tolerance (BENCHMARKS.md): rel-L2 <= 5e-3 against fp32 o
 dequantized weights.
 """
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
 from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_format import dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
-    interpreted,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_reference,
@@ -31,44 +28,7 @@ gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_like_the_gpu():
-    """Make the Triton interpreter compute bf16 like the GPU does, for this module only.
-
-    Two interpreter gaps (seen with triton 3.9 on CPU): ``tl.dot`` multiplies bf16 operands as
-    their raw uint16 bits, and fp32 -> bf16 casts truncate where the GPU rounds to nearest even.
-    """
-    if not interpreted():
-        yield
-        return
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def widen(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle(
-            (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
-        )
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(
-                rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16
-            )
-        return cast(self, src, dst_type)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(builder, "create_dot", create_dot)
-        mp.setattr(builder, "cast_impl", cast_impl)
-        mp.setattr(builder, "create_fp_trunc", lambda self, src, t: self.cast_impl(src, t))
-        yield
+pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
