@@ -17,10 +17,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tessera.devcluster import DevCluster, ensure_binaries
+if TYPE_CHECKING:  # imported when a test asks for the cluster: GPU machines lack its packages
+    from tessera.devcluster import DevCluster
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,6 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[DevCluster]:
+    from tessera.devcluster import DevCluster, ensure_binaries
+
     binaries = ensure_binaries()
     state_dir = Path(tempfile.mkdtemp(prefix="tessera-cluster-"))
     with DevCluster.create(state_dir, binaries) as running:
