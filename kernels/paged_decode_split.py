@@ -162,6 +162,7 @@ def _split_kernel(
     stride_ps,
     PAGE_SIZE: tl.constexpr,
     ENTRIES_PER_PAGE: tl.constexpr,
+    LENS_ARE_ENDS: tl.constexpr,
     D: tl.constexpr,
     D_ROPE: tl.constexpr,
     DV: tl.constexpr,
@@ -183,8 +184,11 @@ def _split_kernel(
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
 
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
     row = tl.load(indptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens + b).to(tl.int64)
+    if LENS_ARE_ENDS:
+        seq_len -= row
+    seq_len = seq_len.to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -306,6 +310,7 @@ def _mla_kernel(
     stride_ps,
     PAGE_SIZE: tl.constexpr,
     ENTRIES_PER_PAGE: tl.constexpr,
+    LENS_ARE_ENDS: tl.constexpr,
     D: tl.constexpr,
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -324,8 +329,11 @@ def _mla_kernel(
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
 
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
     row = tl.load(indptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens + b).to(tl.int64)
+    if LENS_ARE_ENDS:
+        seq_len -= row
+    seq_len = seq_len.to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -477,7 +485,7 @@ def paged_decode(
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None)
     head_blocks = triton.cdiv(group, cfg.block_h)
     if max_seq_len is None:
-        max_seq_len = int(table.seq_lens.max()) if batch else 0  # a host sync
+        max_seq_len = int(table.lengths().max()) if batch else 0  # a host sync
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
     splits = plan_splits(
@@ -520,6 +528,7 @@ def paged_decode(
             part_out.stride(2),
             PAGE_SIZE=table.page_size,
             ENTRIES_PER_PAGE=table.entries_per_page,
+            LENS_ARE_ENDS=table.seq_lens_are_ends,
             D=dim,
             D_ROPE=rope_dim,
             BLOCK_H=cfg.block_h,
@@ -560,6 +569,7 @@ def paged_decode(
             part_out.stride(2),
             PAGE_SIZE=table.page_size,
             ENTRIES_PER_PAGE=table.entries_per_page,
+            LENS_ARE_ENDS=table.seq_lens_are_ends,
             D=dim,
             D_ROPE=rope_dim,
             DV=dv,

@@ -32,13 +32,18 @@ class PageTable:
     - ``entries_per_page == 1``: ``indices`` lists page ids (the compact form).
     - ``entries_per_page == page_size``: ``indices`` lists token slots, one per token, as SGLang's
       triton backend builds ``kv_indices``; only each page's first slot is read.
+
+    With ``seq_lens_are_ends`` (token slots only) ``seq_lens[b]`` is request ``b``'s end in
+    ``indices``, ``indptr[b + 1]``, and its length ``seq_lens[b] - indptr[b]``: SGLang's table
+    as it is, read with no launch to subtract (:meth:`from_sglang_indptr`).
     """
 
     indptr: torch.Tensor  # [batch + 1], integer
     indices: torch.Tensor  # 1-D, integer
-    seq_lens: torch.Tensor  # [batch], integer, tokens
+    seq_lens: torch.Tensor  # [batch], integer, tokens (or ends, see above)
     page_size: int
     entries_per_page: int
+    seq_lens_are_ends: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -54,6 +59,8 @@ class PageTable:
                 raise ValueError(
                     f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}"
                 )
+        if self.seq_lens_are_ends and self.entries_per_page != self.page_size:
+            raise ValueError("seq_lens_are_ends needs token slots (entries_per_page == page_size)")
         if self.indptr.numel() < self.seq_lens.numel() + 1:
             raise ValueError(
                 f"indptr needs batch + 1 = {self.seq_lens.numel() + 1} entries, "
@@ -63,6 +70,12 @@ class PageTable:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.numel()
+
+    def lengths(self) -> torch.Tensor:
+        """Each request's token count (a subtraction when ``seq_lens`` holds ends)."""
+        if self.seq_lens_are_ends:
+            return self.seq_lens - self.indptr[: self.batch_size]
+        return self.seq_lens
 
     @classmethod
     def from_page_lists(
@@ -94,9 +107,18 @@ class PageTable:
         """SGLang's token-level ``kv_indptr``/``kv_indices`` and ``seq_lens``, read in place."""
         return cls(kv_indptr, kv_indices, seq_lens, page_size, entries_per_page=page_size)
 
+    @classmethod
+    def from_sglang_indptr(
+        cls, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int, page_size: int
+    ) -> PageTable:
+        """SGLang's token-level table alone: lengths are ``kv_indptr`` differences, which the
+        kernels take themselves (``kv_indptr[1:]`` is a view, nothing is launched)."""
+        return cls(kv_indptr, kv_indices, kv_indptr[1 : batch + 1], page_size,
+                   entries_per_page=page_size, seq_lens_are_ends=True)  # fmt: skip
+
     def token_slots(self, b: int) -> torch.Tensor:
         """The cache slots of request ``b``'s tokens, in order (for references and tests)."""
-        n = int(self.seq_lens[b])
+        n = int(self.lengths()[b])
         pos = torch.arange(n, device=self.indices.device)
         start = int(self.indptr[b])
         entry = self.indices[start + (pos // self.page_size) * self.entries_per_page].long()

@@ -11,9 +11,10 @@ its length is ``kv_indptr[b + 1] - kv_indptr[b]``); ``k_scale``/``v_scale`` per-
 The translation reads everything in place: the buffers are passed as they are (FP8 pages
 included), ``kv_indptr``/``kv_indices`` become a :class:`PageTable` read at the first slot of
 each page (SGLang's paged allocator keeps token ``p`` at offset ``p % page_size`` of its page;
-with ``page_size`` 1 every slot is read), the lengths are ``kv_indptr``'s differences (a
-``[batch]`` subtraction, no host sync), and ``o`` is the output. The split count is sized from
-``kv_indices``' length, a bound known on the host, so the call can be captured in a CUDA graph.
+with ``page_size`` 1 every slot is read), the lengths are ``kv_indptr``'s differences (taken
+by the kernel itself: no launch, no host sync), and ``o`` is the output. The split count is
+sized from ``kv_indices``' length, a bound known on the host, so the call can be captured in a
+CUDA graph.
 SGLang's split scratch is not used.
 
 Anything the kernels do not implement goes to SGLang's original function (see :func:`unsupported`).
@@ -141,11 +142,10 @@ def tessera_decode(
 ) -> None:
     """Write ``o`` with tessera's kernel for a call that :func:`unsupported` accepted."""
     batch = q.shape[0]
-    seq_lens = kv_indptr[1 : batch + 1] - kv_indptr[:batch]
     # SGLang's paged allocator keeps a request's token p at offset p % page_size of its page, so
     # with pages the kernel reads one slot per page and streams whole pages (measured on the
     # H200: the per-token form cost MLA FP8 decode +52-57%, GQA FP8 up to +19%).
-    table = PageTable.from_sglang(kv_indptr, kv_indices, seq_lens, page_size)
+    table = PageTable.from_sglang_indptr(kv_indptr, kv_indices, batch, page_size)
     bound = max(int(kv_indices.numel()), 1)  # >= every request's length; known on the host
     fp8 = k_buffer.dtype == FP8_DTYPE
     if is_mla_form(k_buffer, v_buffer):

@@ -109,6 +109,30 @@ def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None):
     assert_close(out, ref, REL_L2[kv_dtype])
 
 
+def test_lengths_read_from_sglang_indptr_match_explicit_lengths():
+    """SGLang's table alone (lengths = kv_indptr differences, taken by the kernel): the same
+    output as with the lengths given, also when kv_indptr runs past the batch (SGLang's
+    buffers are sized for the largest CUDA-graph batch)."""
+    lens, page_size, heads, kv_heads, dim = [37, 1, 70], 16, 4, 2, 64
+    explicit, num_pages = random_table(lens, page_size, sglang_form=True)
+    padded = torch.cat([explicit.indptr, explicit.indptr[-1:].repeat(4)])
+    from_indptr = PageTable.from_sglang_indptr(padded, explicit.indices, len(lens), page_size)
+    assert from_indptr.lengths().tolist() == lens
+    q = torch.randn(len(lens), heads, dim, device=DEVICE).bfloat16()
+    k, v = (torch.randn(num_pages, page_size, kv_heads, dim, device=DEVICE).bfloat16()
+            for _ in range(2))  # fmt: skip
+    outs = [paged_decode_bf16(q, k, v, t, dim**-0.5, out=poisoned(len(lens), heads, dim))
+            for t in (explicit, from_indptr)]  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[1], paged_decode_bf16_ref(q, k, v, from_indptr, dim**-0.5), REL_L2["bf16"])
+
+
+def test_lengths_as_ends_need_token_slots():
+    table, _ = random_table([5, 9], 4, sglang_form=False)
+    with pytest.raises(ValueError, match="seq_lens_are_ends needs token slots"):
+        PageTable(table.indptr, table.indices, table.indptr[1:], 4, 1, seq_lens_are_ends=True)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize(
     ("lens", "page_size", "heads", "kv_heads", "dim", "sglang_form"),
