@@ -512,8 +512,13 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
     for k in need:
         pages.append(free[at : at + k])
         at += k
-    table = PageTable.from_page_lists(pages, lengths, PAGE_SIZE, device)
     check = IntegrityCheck(pages, lengths, pool_pages, device)
+    # Attention reads the very req_to_token rows the integrity check guards (token-slot form).
+    width = check.table.shape[1]
+    table = PageTable.from_sglang(
+        torch.arange(len(lengths) + 1, device=device, dtype=torch.int64) * width,
+        check.table.flatten(), check.seq_lens, PAGE_SIZE,
+    )
     token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
     return Batch(lengths, table, check.new_slots, token_ids, check)
 
@@ -861,6 +866,8 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             samples = time_points(g_off, g_on, g_layers, args.replays)
             del g_layers, g_off, g_on
             bad = int(batch.integrity.step().sum().item())
+            if bad:  # nothing here rewrites a page, so a flagged one is a defect of the check
+                raise SystemExit(f"{name} {w}/{kv} at {c}: the integrity check flagged {bad} pages")
             parts = component_ms(step, max(5, args.replays // 3))
             row = _row(name, w, kv, c, plan, admitted=True)
             row.update(summarize(samples, c, args.slice_layers, shape.moe_layers))
