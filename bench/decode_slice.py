@@ -65,7 +65,6 @@ from decode_slice_plan import (
     critical_share,
     draw_routing,
     expert_shares,
-    fits,
     integrity_cost,
     kv_comparison,
     median,
@@ -75,6 +74,7 @@ from decode_slice_plan import (
     pool_plan,
     step_samples,
     throughput_table,
+    timed_levels,
     weights_comparison,
 )
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
@@ -450,6 +450,19 @@ def layer_routings(s: SliceShape, batch: int, layers: int, seed: int,
             c.distinct_experts, sum(x.distinct_experts for x in shares) / len(shares),
         ))  # fmt: skip
     return out
+
+
+class RoutingDraws(dict):
+    """Each concurrency's routing draws, made on first use with a seed of the level alone, so a
+    level gets the same draws whichever configurations time it."""
+
+    def __init__(self, shape: SliceShape, layers: int, device: torch.device) -> None:
+        super().__init__()
+        self.shape, self.layers, self.device = shape, layers, device
+
+    def __missing__(self, c: int) -> list[LayerRouting]:
+        self[c] = layer_routings(self.shape, c, self.layers, seed=1000 + c, device=self.device)
+        return self[c]
 
 
 class IntegrityCheck:
@@ -828,13 +841,12 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
         "sglang_fp8_moe": {},
     }  # fmt: skip
     print(f"[{name}] weights built in {info['weights_built_s']} s", flush=True)
-    routing = {c: layer_routings(shape, c, args.slice_layers, seed=1000 + c, device=device)
-               for c in args.concurrency}  # fmt: skip
+    routing = RoutingDraws(shape, args.slice_layers, device)
     rows = []
     for w, kv in CONFIGS:
         plan = pool_plan(name, w, kv)
         info["pools"][f"{w}/{kv}"] = vars(plan) | {"pages": plan.pages}
-        levels = [c for c in args.concurrency if fits(c, plan.pages)]
+        levels = timed_levels(args.concurrency, plan.pages, args.exact_max_cap)
         for c in args.concurrency:
             if c not in levels:
                 rows.append(_row(name, w, kv, c, plan, admitted=False))
@@ -1101,6 +1113,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--slice-layers", type=int, default=8, help="distinct MoE layers timed")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--exact-max-cap", type=int, default=256,
+                    help="also time each configuration at its exact most admitted concurrency "
+                         "when off the grid and at most this (0: grid only)")  # fmt: skip
     ap.add_argument("--sglang-src", type=Path, help="folder with SGLang's kernel source files")
     ap.add_argument("--sglang-version", default="0.5.23")
     ap.add_argument("--commit", default="", help="recorded when git is not available")

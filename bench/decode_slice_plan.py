@@ -195,6 +195,26 @@ def fits(concurrency: int, pool_pages: int, mix: Sequence[int] = CONTEXT_MIX,
     return admitted(context_lengths(concurrency, mix), pool_pages, page_size) == concurrency
 
 
+def most_admitted(pool_pages: int, mix: Sequence[int] = CONTEXT_MIX) -> int:
+    """The most requests of the mix admitted at once: where a grid of levels hides the limit
+    (a pool that holds 114 shows as 64 on the grid 1..128)."""
+    n = 0
+    while fits(n + 1, pool_pages, mix):
+        n += 1
+    return n
+
+
+def timed_levels(grid: Sequence[int], pool_pages: int, exact_cap: int = 0,
+                 mix: Sequence[int] = CONTEXT_MIX) -> list[int]:  # fmt: skip
+    """The grid's admitted levels, plus the exact most admitted when it is off the grid and at
+    most ``exact_cap`` (0: grid only)."""
+    levels = [c for c in grid if fits(c, pool_pages, mix)]
+    exact = most_admitted(pool_pages, mix)
+    if 0 < exact <= exact_cap and exact not in levels:
+        levels.append(exact)
+    return sorted(levels)
+
+
 def max_concurrency(levels: Sequence[int], pool_pages: int,
                     mix: Sequence[int] = CONTEXT_MIX) -> int:  # fmt: skip
     """The largest level of ``levels`` that is admitted (0 if none)."""

@@ -145,3 +145,19 @@ def test_summaries_compare_at_equal_settings() -> None:
     table = p.throughput_table(rows, "m", levels=(16, 64, 128))
     assert table[2].startswith("| 16 | 100 | 98 | 150 | -")
     assert table[3] == "| 64 | OOM | 220 | - | - |"
+
+
+def test_the_exact_most_admitted_is_the_admission_boundary() -> None:
+    for pages in (1980, 3961, 6774, 12286):
+        n = p.most_admitted(pages)
+        assert p.fits(n, pages) and not p.fits(n + 1, pages)
+
+
+def test_timed_levels_add_the_exact_limit_off_the_grid_within_the_cap() -> None:
+    grid = [1, 8, 16, 32, 64, 128]
+    # GLM 5's BF16 pool with FP8 weights: 114 requests fit, the grid shows 64
+    assert p.most_admitted(6774) == 114
+    assert p.timed_levels(grid, 6774, exact_cap=256) == [1, 8, 16, 32, 64, 114]
+    assert p.timed_levels(grid, 6774, exact_cap=0) == [1, 8, 16, 32, 64]
+    assert p.timed_levels(grid, 12286, exact_cap=128) == grid  # 205: over the cap
+    assert p.timed_levels([1, 8, 32], 1980, exact_cap=256) == [1, 8, 32, 34]
