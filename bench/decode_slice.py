@@ -717,14 +717,18 @@ class SliceStep:
         logits = self.ops.linear(rms_norm(x, self.common.final_norm), self.common.lm_head)
         return logits, logits.argmax(dim=-1)
 
-    def rest(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step: integrity check, embedding, the dense layers, final norm and head."""
-        if integrity:
-            self.ops.integrity(self.batch)
+    def front(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integrity check (bad pages per request; empty when off), the embedding and the
+        dense layers."""
+        bad = self.ops.integrity(self.batch) if integrity else torch.zeros(0)
         x = self.embed()
         for i in range(len(self.w.dense)):
             x = self.dense_layer(i, x)
-        return self.head(x)
+        return bad, x
+
+    def rest(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per step: the front, final norm and head (the MoE layers are timed apart)."""
+        return self.head(self.front(integrity)[1])
 
     def layers(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(len(self.w.moe)):
@@ -733,10 +737,7 @@ class SliceStep:
 
     def step(self, integrity: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slice's whole step in order (tests): (bad pages per request, logits, next ids)."""
-        bad = self.ops.integrity(self.batch) if integrity else torch.zeros(0)
-        x = self.embed()
-        for i in range(len(self.w.dense)):
-            x = self.dense_layer(i, x)
+        bad, x = self.front(integrity)
         logits, ids = self.head(self.layers(x))
         return bad, logits, ids
 
