@@ -15,6 +15,7 @@ from tessera.runtime.config import (
     DisaggregationConfig,
     Discovery,
     IntegrityConfig,
+    KernelsConfig,
     KVCacheConfig,
     MemoryConfig,
     ModelConfig,
@@ -45,6 +46,7 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
     planned = plan.phases[phase]
     weights = raw["weights"]
     integrity = bool(spec.get("integrity", {}).get("enabled", False))
+    kernels = raw.get("kernels", {})
     return RuntimeConfig(
         deployment=meta["name"],
         namespace=meta["namespace"],
@@ -68,6 +70,8 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         ports=PortsConfig(http=c.PORT_HTTP, bootstrap=c.PORT_BOOTSTRAP),
         # The tag check guards the pool that decodes; SGLang's transfer checksum must be on
         # both roles of a disaggregated pair.
+        kernels=KernelsConfig(decode_attention=kernels.get("decodeAttention", "sglang"),
+                              w4a16=kernels.get("w4a16", "sglang")),
         integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
         disaggregation=DisaggregationConfig(kv_checksum=integrity and phase != c.SINGLE),
     )

@@ -92,6 +92,8 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["metadata.name", "40"]),
     ("unknown router policy", lambda m: m["spec"].update(router={"policy": "fastest"}),
      ["spec.router.policy", "Unsupported value"]),
+    ("unknown kernel provider", lambda m: m["spec"]["decode"].update(kernels={"w4a16": "marlin"}),
+     ["spec.decode.kernels.w4a16", "Unsupported value"]),
     ("conversion into a non-pvc output", lambda m: m["spec"]["decode"]["weights"].update(
         convertFrom={"uri": "pvc://ckpt/fp8"}),
      ["spec.decode.weights.convertFrom", "needs dtype int4 and a pvc:// uri"]),

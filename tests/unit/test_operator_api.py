@@ -42,6 +42,10 @@ def test_phase_enums_match_planner_and_runtime(version: dict[str, Any], phase: s
     assert set(weights["groupSize"]["enum"]) <= set(runtime_config.INT4_GROUP_SIZES)
     assert set(weights["format"]["enum"]) == set(
         runtime_config.CheckpointFormat.__args__)  # type: ignore[attr-defined]
+    impls = set(runtime_config.KernelImpl.__args__)  # type: ignore[attr-defined]
+    for family in props["kernels"]["properties"].values():
+        assert set(family["enum"]) == impls and family["default"] == "sglang"
+    assert set(props["kernels"]["properties"]) == {"decodeAttention", "w4a16"}
 
 
 def test_presets_match_planner(version: dict[str, Any]) -> None:

@@ -116,7 +116,8 @@ def pod_template_hashes(md: dict[str, Any]) -> dict[str, str]:
     lambda s: s["decode"].update(weights={"dtype": "fp8", "uri": "hf://x/fp8"}),
     lambda s: s["decode"].update(memFractionStatic=0.8),
     lambda s: s["decode"]["weights"].update(groupSize=128),
-], ids=["weights-dtype", "mem-fraction", "group-size"])
+    lambda s: s["decode"].update(kernels={"decodeAttention": "tessera"}),
+], ids=["weights-dtype", "mem-fraction", "group-size", "kernels"])
 def test_a_decode_change_changes_only_the_decode_pod_template(edit: Any) -> None:
     before = example("01-kimi-k2")
     after = copy.deepcopy(before)
@@ -179,6 +180,17 @@ def test_engine_config_carries_the_phase_precision_and_plan() -> None:
     assert config["kv_cache"]["dtype"] == "fp8_e4m3"
     assert config["integrity"] == {"enabled": True}
     assert config["memory"]["planned_weights_bytes_per_gpu"] > 0
+    assert config["kernels"] == {"decode_attention": "sglang", "w4a16": "sglang"}  # the default
+
+
+def test_kernel_switches_reach_the_phase_runtime_config() -> None:
+    md = example("01-kimi-k2")
+    md["spec"]["decode"]["kernels"] = {"decodeAttention": "tessera", "w4a16": "tessera"}
+    kids = children_of(md)
+    configs = {p: yaml.safe_load(kids[("ConfigMap", f"kimi-k2-{p}-config")]["data"]["runtime.json"])
+               for p in ("prefill", "decode")}
+    assert configs["decode"]["kernels"] == {"decode_attention": "tessera", "w4a16": "tessera"}
+    assert configs["prefill"]["kernels"] == {"decode_attention": "sglang", "w4a16": "sglang"}
 
 
 @pytest.mark.parametrize("uri, path, volume", [
