@@ -502,13 +502,17 @@ class IntegrityCheck:
 class Batch:
     lengths: list[int]
     table: PageTable
-    new_slots: torch.Tensor  # int64 [B]: where each request's new token goes
     token_ids: torch.Tensor  # int64 [B]
     integrity: IntegrityCheck
 
     @property
     def max_len(self) -> int:
         return max(self.lengths)
+
+    @property
+    def new_slots(self) -> torch.Tensor:
+        """int64 [B]: where each request's new token goes."""
+        return self.integrity.new_slots
 
 
 def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int,
@@ -533,7 +537,7 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
         check.table.flatten(), check.seq_lens, PAGE_SIZE,
     )
     token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
-    return Batch(lengths, table, check.new_slots, token_ids, check)
+    return Batch(lengths, table, token_ids, check)
 
 
 # ---------------------------------------------------------------------------- ops
@@ -582,7 +586,9 @@ class KernelOps:
         if cache.scale is None:
             cache.rows.index_copy_(0, slots, new)
         else:
-            write_kv_fp8(new, cache.rows, cache.scale, slots)
+            self.write_fp8(new, cache.rows, cache.scale, slots)
+
+    write_fp8 = staticmethod(write_kv_fp8)
 
     def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
         if cache.scale is None:
@@ -628,11 +634,7 @@ class ReferenceOps(KernelOps):
             out[rows] = (r.weights[rows] * (act @ w2.T)).to(torch.bfloat16).float()
         return out.to(torch.bfloat16)
 
-    def write_kv(self, cache: KVCache, new: torch.Tensor, slots: torch.Tensor) -> None:
-        if cache.scale is None:
-            cache.rows.index_copy_(0, slots, new)
-        else:
-            write_kv_fp8_ref(new, cache.rows, cache.scale, slots)
+    write_fp8 = staticmethod(write_kv_fp8_ref)
 
     def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
         if cache.scale is None:

@@ -153,15 +153,21 @@ MOE_CASES = [  # (experts, hidden, inter, tokens, top_k, group up, group down, s
 ]
 
 
-@pytest.mark.parametrize("experts,hidden,inter,tokens,top_k,g13,g2,symmetric", MOE_CASES)
-def test_fused_moe_matches_reference(experts, hidden, inter, tokens, top_k, g13, g2, symmetric):
+def moe_case(experts, hidden, inter, tokens, top_k, g13, g2, symmetric, seed):
+    """INT4 experts, activations and a random top-k routing (weights summing to 1)."""
     g = torch.Generator().manual_seed(tokens)
-    w13 = make_weight((experts, 2 * inter, hidden), g13, symmetric, seed=1)
-    w2 = make_weight((experts, hidden, inter), g2, symmetric, seed=2)
-    x = make_x(tokens, hidden, seed=3)
+    w13 = make_weight((experts, 2 * inter, hidden), g13, symmetric, seed=seed)
+    w2 = make_weight((experts, hidden, inter), g2, symmetric, seed=seed + 1)
+    x = make_x(tokens, hidden, seed=seed + 2)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
-    ids, weights = ids.to(DEVICE), weights.to(DEVICE)
+    return w13, w2, x, ids.to(DEVICE), weights.to(DEVICE)
+
+
+@pytest.mark.parametrize("experts,hidden,inter,tokens,top_k,g13,g2,symmetric", MOE_CASES)
+def test_fused_moe_matches_reference(experts, hidden, inter, tokens, top_k, g13, g2, symmetric):
+    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
+                                        symmetric, seed=1)  # fmt: skip
     small, wide = MoeConfig(block_n=32), MoeConfig(block_n=64)
     out = fused_moe(x, w13, w2, weights, ids, configs=(small, wide))
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
@@ -179,13 +185,8 @@ def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
     """8-row expert blocks with the weights as the dot's first operand (and a 16-row up GEMM
     with a swapped down GEMM, which aligns the pairs twice)."""
     experts, hidden, inter, tokens, top_k = 6, 256, 64, 5, 3
-    g = torch.Generator().manual_seed(tokens)
-    w13 = make_weight((experts, 2 * inter, hidden), g13, symmetric, seed=3)
-    w2 = make_weight((experts, hidden, inter), g2, symmetric, seed=4)
-    x = make_x(tokens, hidden, seed=5)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
-    ids, weights = ids.to(DEVICE), weights.to(DEVICE)
+    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
+                                        symmetric, seed=3)  # fmt: skip
     swap8 = MoeConfig(block_m=8, block_n=32, swap=True)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
     for cfgs in ((swap8, swap8), (MoeConfig(block_n=32), swap8)):
