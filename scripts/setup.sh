@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The checkout's operator/ folder would shadow the standard library's operator module when
+# `python -m` puts the working directory on sys.path (seen in a fresh venv); tessera comes
+# from the editable install instead.
+export PYTHONSAFEPATH=1
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --quiet)
 
 echo "== python packages: pip install -e '.[test]'"
