@@ -66,6 +66,9 @@ def sgl_kernel_status() -> str:
         module.__path__ = list(spec.submodule_search_locations)
 
         def op(name: str):
+            if name.startswith("__"):  # module protocol lookups (inspect reads __file__)
+                raise AttributeError(name)
+
             def missing(*_args, **_kwargs):
                 raise RuntimeError(f"sgl_kernel.{name} is not loaded ({why})")
 
@@ -372,7 +375,12 @@ def attempt(results: dict, name: str, fn, *args) -> None:
         results.setdefault(name, []).extend(rows if isinstance(rows, list) else [rows])
     except Exception as e:  # noqa: BLE001 - the benchmark reports, it does not stop
         traceback.print_exc()
-        results.setdefault("errors", []).append(f"{name}{args}: {type(e).__name__}: {e}")
+        frames = traceback.extract_tb(e.__traceback__)[-4:]  # where, without machine paths
+        where = " <- ".join(f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}"
+                            for f in reversed(frames))  # fmt: skip
+        results.setdefault("errors", []).append(
+            f"{name}{args}: {type(e).__name__}: {e} (at {where})"
+        )
 
 
 def main() -> None:

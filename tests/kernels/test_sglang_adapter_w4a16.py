@@ -23,11 +23,15 @@ from tessera.runtime.sglang_kernels import w4a16
 from tessera.runtime.sglang_kernels.fallback import Fallbacks
 from test_sglang_adapter_decode import seeded  # noqa: F401 (an autouse fixture)
 
+# On a GPU SGLang imports ``sgl_kernel``, whose prebuilt ops library raises ImportError (not
+# ModuleNotFoundError) where it does not match the installed torch: skip, saying so.
 linear_mod = pytest.importorskip(
-    "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16"
+    "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+    exc_type=ImportError,
 )
 moe_mod = pytest.importorskip(
-    "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe"
+    "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe",
+    exc_type=ImportError,
 )
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
