@@ -62,12 +62,12 @@ def _quantize_rows_kernel(
     if PER_TOKEN_HEAD:
         ax = tl.abs(x)
         amax = tl.max(tl.where(ax <= 3.4e38, ax, 0.0), axis=1)  # NaN and Inf excluded
-        # div_rn: IEEE division. Triton's `/` (and fdiv's ieee_rounding flag on the Triton the GPU
-        # image carries) is approximate, which moved one e4m3 byte of 4M across a rounding tie.
-        s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+        s = tl.where(amax > 0.0, tl.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
         tl.store(scale_ptr, s, mask=mask_h)
     else:
         s = tl.load(scale_ptr, mask=mask_h, other=1.0)
+    # div_rn: IEEE division. fdiv(ieee_rounding=True) on the GPU image's Triton moved one e4m3
+    # byte of 4M across a rounding tie (seen on the H200).
     y = tl.math.div_rn(x, s[:, None])
     tl.store(
         dst + dst_row * stride_dst_row + h[:, None] * stride_dst_head + d[None, :],
