@@ -69,6 +69,7 @@ from decode_slice_plan import (
     kv_comparison,
     median,
     model_shape,
+    most_admitted,
     pages_for,
     percentile,
     pool_plan,
@@ -534,7 +535,9 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
     width = check.table.shape[1]
     table = PageTable.from_sglang(
         torch.arange(len(lengths) + 1, device=device, dtype=torch.int64) * width,
-        check.table.flatten(), check.seq_lens, PAGE_SIZE,
+        check.table.flatten(),
+        check.seq_lens,
+        PAGE_SIZE,
     )
     token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
     return Batch(lengths, table, token_ids, check)
@@ -967,9 +970,28 @@ def _row(model: str, w: str, kv: str, c: int, plan, admitted: bool) -> dict[str,
 # ---------------------------------------------------------------------------- report
 
 
-def summary_lines(rows: list[dict], models: list[str], levels: list[int]) -> list[str]:
-    lines = []
-    for m in models:
+def pool_admits(doc: dict, model: str, weights: str) -> dict[str, int]:
+    """The most requests of the mix each KV pool of ``model`` with ``weights`` admits."""
+    pools = doc["models"][model]["pools"]
+    return {kv: most_admitted(pools[f"{weights}/{kv}"]["pages"]) for kv in KV_DTYPES}
+
+
+def comparisons(doc: dict) -> dict:
+    """The run's comparisons per model (stored in the results as "summary")."""
+    rows = doc["rows"]
+    return {
+        m: {
+            "kv": {w: kv_comparison(rows, m, w, pool_admits(doc, m, w)) for w in WEIGHT_DTYPES},
+            "int4_vs_fp8": {kv: weights_comparison(rows, m, kv) for kv in KV_DTYPES},
+            "integrity": integrity_cost([r for r in rows if r["model"] == m]),
+        }
+        for m in doc["models"]
+    }
+
+
+def summary_lines(doc: dict, levels: list[int]) -> list[str]:
+    rows, lines = doc["rows"], []
+    for m in doc["models"]:
         lines.append(f"\n{m}: decode tok/s per replica (8 GPUs), integrity off")
         lines += throughput_table(rows, m, levels)
         lines.append(f"{m}: per-request step time (ms), integrity off")
@@ -982,14 +1004,19 @@ def summary_lines(rows: list[dict], models: list[str], levels: list[int]) -> lis
         ]  # fmt: skip
         lines += throughput_table(marked, m, levels, "cell", "{}")
         for w in WEIGHT_DTYPES:
-            k = kv_comparison(rows, m, w)
+            k = kv_comparison(rows, m, w, pool_admits(doc, m, w))
             if k:
                 per_request = k["per_request_slowdown"].items()
                 slow = ", ".join(f"{c}: {v * 100:+.1f}%" for c, v in per_request)
+                peaks = (
+                    f"{k['peak_fp8']['tok_s']:,.0f} @{k['peak_fp8']['concurrency']} vs "
+                    f"{k['peak_bf16']['tok_s']:,.0f} @{k['peak_bf16']['concurrency']}"
+                )
+                verdict = "" if k["peak_established"] else " (a limit was not timed: not a peak)"
                 lines.append(
-                    f"  {w} weights, FP8 vs BF16 KV: admits {k['max_concurrency_fp8']} vs "
-                    f"{k['max_concurrency_bf16']} ({k['admitted_ratio']:.1f}x), peak "
-                    f"{k['peak_gain'] * 100:+.1f}%; per-request step time {slow}"
+                    f"  {w} weights, FP8 vs BF16 KV: admits {k['most_admitted_fp8']} vs "
+                    f"{k['most_admitted_bf16']} ({k['admitted_ratio']:.2f}x), best timed tok/s "
+                    f"{peaks} ({k['peak_gain'] * 100:+.1f}%){verdict}; per-request step time {slow}"
                 )  # fmt: skip
         for kv in KV_DTYPES:
             gains = weights_comparison(rows, m, kv)
@@ -1125,8 +1152,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
+    ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
     args = ap.parse_args()
+    if args.summarize:
+        doc = json.loads(args.summarize.read_text())
+        doc["summary"] = comparisons(doc)
+        args.summarize.write_text(json.dumps(doc, indent=1))
+        levels = sorted({r["concurrency"] for r in doc["rows"]})
+        print("\n".join(summary_lines(doc, levels)))
+        return
     if args.plot:
         for path in plot(args.plot, args.img_dir):
             print(f"wrote {path}")
@@ -1155,17 +1190,10 @@ def main() -> None:
         save(rows, info)
         done += rows
         torch.cuda.empty_cache()
-    doc["summary"] = {
-        m: {
-            "kv": {w: kv_comparison(doc["rows"], m, w) for w in WEIGHT_DTYPES},
-            "int4_vs_fp8": {kv: weights_comparison(doc["rows"], m, kv) for kv in KV_DTYPES},
-            "integrity": integrity_cost([r for r in doc["rows"] if r["model"] == m]),
-        }
-        for m in models
-    }
+    doc["summary"] = comparisons(doc)
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nwrote {path} in {doc['seconds']} s")
-    print("\n".join(summary_lines(doc["rows"], models, args.concurrency)))
+    print("\n".join(summary_lines(doc, args.concurrency)))
 
 
 if __name__ == "__main__":

@@ -132,11 +132,16 @@ def test_summaries_compare_at_equal_settings() -> None:
         _row("fp8", "fp8_e4m3", 32, 147, 218), _row("fp8", "fp8_e4m3", 64, 220, 290),
         _row("int4", "bf16", 16, 150), _row("int4", "bf16", 32, 180),
     ]  # fmt: skip
-    kv = p.kv_comparison(rows, "m", "fp8")
-    assert (kv["max_concurrency_bf16"], kv["max_concurrency_fp8"]) == (32, 64)
+    kv = p.kv_comparison(rows, "m", "fp8", {"bf16": 32, "fp8_e4m3": 64})
+    assert (kv["most_admitted_bf16"], kv["most_admitted_fp8"]) == (32, 64)
     assert kv["admitted_ratio"] == 2.0 and kv["peak_gain"] == pytest.approx(220 / 150 - 1)
+    assert kv["peak_established"]
     assert kv["per_request_slowdown"][16] == pytest.approx(163 / 160 - 1)
-    assert p.kv_comparison(rows, "m", "int4") == {}
+    # A pool that admits more than was timed: the ratio is the pools', the peak is not one.
+    untimed = p.kv_comparison(rows, "m", "fp8", {"bf16": 32, "fp8_e4m3": 90})
+    assert untimed["admitted_ratio"] == pytest.approx(90 / 32)
+    assert not untimed["peak_established"]
+    assert p.kv_comparison(rows, "m", "int4", {"bf16": 32, "fp8_e4m3": 64}) == {}
     gains = p.weights_comparison(rows, "m", "bf16")
     assert gains == {16: pytest.approx(0.5), 32: pytest.approx(0.2)}
     cost = p.integrity_cost(rows)
