@@ -58,7 +58,7 @@ def sgl_kernel_status() -> str:
 
         return f"sgl_kernel {sgl_kernel.__version__}"
     except Exception as e:  # noqa: BLE001 - any load failure leaves the same choice
-        why = f"{type(e).__name__}: {e}"
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"  # its first line: no paths
         spec = importlib.util.find_spec("sgl_kernel")
         if spec is None or spec.submodule_search_locations is None:
             return f"sgl_kernel absent ({why})"
@@ -372,7 +372,8 @@ def meta(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "commit": args.commit or None,
         "command": f"python bench/sglang_adapter.py --sections {args.sections}"
-        + (" --quick" if args.quick else ""),
+        + (" --quick" if args.quick else "")
+        + (" --no-sglang-moe" if args.no_sglang_moe else ""),
         "timing": "median of CUDA-graph replays (bench/timing.py)",
     }
 
