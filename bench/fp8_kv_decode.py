@@ -428,6 +428,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="time kernel variants instead")
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -440,6 +441,7 @@ def main() -> None:
         ).stdout.strip(),
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": args.commit or None,
         "command": _command_line(args), "copy_bw_TBps": copy_bw / 1e12,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -455,7 +457,7 @@ def main() -> None:
     sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
 
     rows = []
-    out_file = args.out / "fp8_kv_decode.json"
+    out_file = args.out / ("fp8_kv_decode_quick.json" if args.quick else "fp8_kv_decode.json")
 
     def add(row, line):  # saved after every row: a run cut short keeps what it measured
         rows.append(row)
