@@ -596,9 +596,11 @@ class KernelOps:
     def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
         if cache.scale is None:
             return paged_decode_mla_bf16(q, cache.rows, batch.table, sm_scale,
-                                         max_seq_len=batch.max_len)  # fmt: skip
+                                         max_seq_len=batch.max_len,
+                                         total_tokens=sum(batch.lengths))  # fmt: skip
         return paged_decode_mla_fp8(q, cache.rows, cache.scale, batch.table, sm_scale,
-                                    max_seq_len=batch.max_len)  # fmt: skip
+                                    max_seq_len=batch.max_len,
+                                    total_tokens=sum(batch.lengths))  # fmt: skip
 
     def integrity(self, batch: Batch) -> torch.Tensor:
         return batch.integrity.step()

@@ -30,13 +30,17 @@ def paged_decode_bf16(
     sm_scale: float,
     *,
     max_seq_len: int | None = None,
+    total_tokens: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """GQA/MHA decode: ``q`` ``[batch, heads, d]`` over BF16 K/V pages -> ``[batch, heads, dv]``.
 
     ``max_seq_len`` (the longest request) sizes the split; without it it is read from the
-    table, a host sync (pass it under CUDA graphs).
+    table, a host sync (pass it under CUDA graphs). ``total_tokens`` (the sum of the lengths, as
+    a scheduler knows it) gives every split the same number of tokens, so with mixed lengths
+    the long requests get more splits; without it each request is split in equal parts.
+    The same two arguments apply to the MLA and FP8 forms.
     """
     _check_bf16(q=q, k_cache=k_cache, v_cache=v_cache)
     k_rows, v_rows = token_rows(k_cache), token_rows(v_cache)
@@ -54,6 +58,7 @@ def paged_decode_bf16(
         sm_scale,
         rope_dim=0,
         max_seq_len=max_seq_len,
+        total_tokens=total_tokens,
         out=out,
         config=config,
     )
@@ -66,6 +71,7 @@ def paged_decode_mla_bf16(
     sm_scale: float,
     *,
     max_seq_len: int | None = None,
+    total_tokens: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -82,6 +88,7 @@ def paged_decode_mla_bf16(
         sm_scale,
         rope_dim=MLA_ROPE_DIM,
         max_seq_len=max_seq_len,
+        total_tokens=total_tokens,
         out=out,
         config=config,
     )

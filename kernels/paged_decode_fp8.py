@@ -32,6 +32,7 @@ def paged_decode_fp8(
     sm_scale: float,
     *,
     max_seq_len: int | None = None,
+    total_tokens: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -56,6 +57,7 @@ def paged_decode_fp8(
         sm_scale,
         rope_dim=0,
         max_seq_len=max_seq_len,
+        total_tokens=total_tokens,
         out=out,
         config=config,
     )
@@ -69,6 +71,7 @@ def paged_decode_mla_fp8(
     sm_scale: float,
     *,
     max_seq_len: int | None = None,
+    total_tokens: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -85,6 +88,7 @@ def paged_decode_mla_fp8(
         sm_scale,
         rope_dim=MLA_ROPE_DIM,
         max_seq_len=max_seq_len,
+        total_tokens=total_tokens,
         out=out,
         config=config,
     )

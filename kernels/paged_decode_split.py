@@ -89,6 +89,23 @@ def plan_splits(
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+def plan_balanced_splits(
+    total_tokens: int, max_seq_len: int, block_n: int, slots: int
+) -> tuple[int, int]:
+    """(splits, tokens per split) when the batch's total length is known: every split of every
+    request gets the same number of tokens, about ``total_tokens / slots``, so with mixed
+    lengths the long requests get more splits instead of longer ones (the kernel's time is its
+    longest program). At least four tiles a split, at most ``MAX_SPLITS`` splits a request."""
+    per_program = triton.cdiv(max(total_tokens, 1), max(slots, 1))
+    split_len = max(
+        triton.cdiv(per_program, block_n) * block_n,
+        4 * block_n,
+        triton.cdiv(max_seq_len, MAX_SPLITS * block_n) * block_n,
+    )
+    split_len = min(split_len, max(triton.cdiv(max_seq_len, block_n), 4) * block_n)
+    return max(1, triton.cdiv(max_seq_len, split_len)), split_len
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -144,6 +161,7 @@ def _split_kernel(
     part_lse,
     sm_scale_log2e,
     num_splits,
+    fixed_split_len,
     num_kv_heads,
     head_blocks,
     group_size,
@@ -190,6 +208,8 @@ def _split_kernel(
         seq_len -= row
     seq_len = seq_len.to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if fixed_split_len > 0:  # balanced plan: the same tokens per split for every request
+        split_len = fixed_split_len
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -299,6 +319,7 @@ def _mla_kernel(
     part_lse,
     sm_scale_log2e,
     num_splits,
+    fixed_split_len,
     head_blocks,
     num_heads,
     stride_qb,
@@ -335,6 +356,8 @@ def _mla_kernel(
         seq_len -= row
     seq_len = seq_len.to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if fixed_split_len > 0:  # balanced plan: the same tokens per split for every request
+        split_len = fixed_split_len
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -463,6 +486,7 @@ def paged_decode(
     max_seq_len: int | None,
     out: torch.Tensor | None,
     config: DecodeConfig | None,
+    total_tokens: int | None = None,
 ) -> torch.Tensor:
     """Launch both stages. Rows are flat ``[num_slots, kv_heads, dim]`` caches (already checked by
     the callers); ``v_rows is k_rows`` selects the MLA form; ``scales`` are FP8's
@@ -488,9 +512,18 @@ def paged_decode(
         max_seq_len = int(table.lengths().max()) if batch else 0  # a host sync
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
-    splits = plan_splits(
-        programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves
-    )
+    if total_tokens is None:
+        fixed_split_len = 0  # each request's length in ``splits`` equal parts
+        splits = plan_splits(
+            programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves
+        )
+    else:
+        splits, fixed_split_len = plan_balanced_splits(
+            total_tokens * num_kv_heads * head_blocks,
+            max_seq_len,
+            cfg.block_n,
+            cfg.programs_per_sm * sms,
+        )
 
     if out is None:
         out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
@@ -517,6 +550,7 @@ def paged_decode(
             part_lse,
             sm_scale * LOG2E,
             splits,
+            fixed_split_len,
             head_blocks,
             num_heads,
             q.stride(0),
@@ -551,6 +585,7 @@ def paged_decode(
             part_lse,
             sm_scale * LOG2E,
             splits,
+            fixed_split_len,
             num_kv_heads,
             head_blocks,
             group,

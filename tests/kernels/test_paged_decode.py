@@ -25,7 +25,12 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
-from tessera.kernels.paged_decode_split import DecodeConfig, pick_config, plan_splits
+from tessera.kernels.paged_decode_split import (
+    DecodeConfig,
+    pick_config,
+    plan_balanced_splits,
+    plan_splits,
+)
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,36 +80,44 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel_l2: float) -> None:
     assert rel <= rel_l2, f"rel-L2 {rel:.3g}"
 
 
-def run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form=False, max_len=None):
+def lengths_known(lens: list[int], balanced: bool) -> dict:
+    """The balanced split plan's arguments (the batch's total and longest length), or none."""
+    return {"max_seq_len": max(lens), "total_tokens": sum(lens)} if balanced else {}
+
+
+def run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form=False, max_len=None,
+            balanced=False, config=None):  # fmt: skip
     table, num_pages = random_table(lens, page_size, sglang_form)
+    known = lengths_known(lens, balanced) or {"max_seq_len": max_len}
     q = torch.randn(len(lens), heads, dim, device=DEVICE).bfloat16()
     k = torch.randn(num_pages, page_size, kv_heads, dim, device=DEVICE).bfloat16()
     v = torch.randn(num_pages, page_size, kv_heads, dim, device=DEVICE).bfloat16()
     sm_scale = dim**-0.5
     out = poisoned(len(lens), heads, dim)
     if kv_dtype == "bf16":
-        paged_decode_bf16(q, k, v, table, sm_scale, out=out, max_seq_len=max_len)
+        paged_decode_bf16(q, k, v, table, sm_scale, out=out, config=config, **known)
         ref = paged_decode_bf16_ref(q, k, v, table, sm_scale)
     else:
         (k8, ks), (v8, vs) = quantized(k), quantized(v)
-        paged_decode_fp8(q, k8, v8, ks, vs, table, sm_scale, out=out, max_seq_len=max_len)
+        paged_decode_fp8(q, k8, v8, ks, vs, table, sm_scale, out=out, config=config, **known)
         ref = paged_decode_fp8_ref(q, k8, v8, ks, vs, table, sm_scale)
     assert_close(out, ref, REL_L2[kv_dtype])
     return out, paged_decode_bf16_ref(q, k, v, table, sm_scale)
 
 
-def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None):
+def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None, balanced=False):
     table, num_pages = random_table(lens, page_size, sglang_form=False)
+    known = lengths_known(lens, balanced)
     q = torch.randn(len(lens), heads, latent + 64, device=DEVICE).bfloat16()
     kv = torch.randn(num_pages, page_size, 1, latent + 64, device=DEVICE).bfloat16()
     sm_scale = (128 + 64) ** -0.5
     out = poisoned(len(lens), heads, latent)
     if kv_dtype == "bf16":
-        paged_decode_mla_bf16(q, kv, table, sm_scale, out=out, config=config)
+        paged_decode_mla_bf16(q, kv, table, sm_scale, out=out, config=config, **known)
         ref = paged_decode_mla_bf16_ref(q, kv, table, sm_scale)
     else:
         kv8, s = quantized(kv)
-        paged_decode_mla_fp8(q, kv8, s, table, sm_scale, out=out, config=config)
+        paged_decode_mla_fp8(q, kv8, s, table, sm_scale, out=out, config=config, **known)
         ref = paged_decode_mla_fp8_ref(q, kv8, s, table, sm_scale)
     assert_close(out, ref, REL_L2[kv_dtype])
 
@@ -176,6 +189,26 @@ def test_whole_wave_split_plan_never_starts_a_second_wave():
     assert plan_splits(64, 1 << 20, 32, 132) == 9
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_balanced_splits_match_reference(kv_dtype):
+    """Mixed lengths with the batch's total known: the long request gets several fixed-size
+    splits, the short ones one (some splits of the grid are past their request's end)."""
+    run_mla(kv_dtype, [3, 41, 300, 700], 16, heads=16, balanced=True)
+    small_tiles = DecodeConfig(16, 16, 4, 2)  # 64-token splits at least: several for 170
+    run_gqa(kv_dtype, [37, 1, 170], 8, 4, 2, 64, balanced=True, config=small_tiles)
+
+
+def test_balanced_plan_gives_every_split_the_same_tokens():
+    # GLM 5's slice at 205 requests of the 1k-8k mix on 132 SMs x 3 programs
+    splits, split_len = plan_balanced_splits(784_384, 8192, 32, 396)
+    assert split_len == 1984 and splits == 5  # 784,384 / 396 = 1,981 -> whole 32-token tiles
+    # at least four tiles a split, at most 64 splits a request
+    assert plan_balanced_splits(100, 100, 32, 396) == (1, 128)
+    assert plan_balanced_splits(1 << 30, 1 << 20, 32, 1) == (1, 1 << 20)
+    splits, split_len = plan_balanced_splits(1, 1 << 20, 32, 396)
+    assert splits == 64 and split_len * 64 >= 1 << 20
+
+
 def test_mla_defaults_follow_the_dtype_and_head_count():
     bf16, fp8 = pick_config(512, 16, mla=True), pick_config(512, 16, mla=True, fp8=True)
     assert bf16.latent_quarters and fp8.latent_quarters
@@ -240,13 +273,13 @@ def test_bad_input_says_what_is_wrong():
     ("batch", "max_len", "heads", "kv_heads", "dim"),
     [(64, 4500, 32, 8, 128), (7, 9001, 64, 8, 128), (33, 2049, 16, 16, 64), (5, 3001, 8, 2, 256)],
 )
-@pytest.mark.parametrize("sglang_form", [False, True])
+@pytest.mark.parametrize(("sglang_form", "balanced"), [(False, False), (True, False), (True, True)])
 def test_gqa_real_shapes_gpu(
-    kv_dtype, page_size, batch, max_len, heads, kv_heads, dim, sglang_form
+    kv_dtype, page_size, batch, max_len, heads, kv_heads, dim, sglang_form, balanced
 ):
     lens = torch.randint(1, max_len + 1, (batch,)).tolist()
     lens[0] = max_len
-    run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form)
+    run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form, balanced=balanced)
 
 
 @pytest.mark.gpu
@@ -256,7 +289,8 @@ def test_gqa_real_shapes_gpu(
 @pytest.mark.parametrize(
     ("batch", "max_len", "heads"), [(32, 4097, 16), (9, 8191, 64), (3, 999, 128)]
 )
-def test_mla_real_shapes_gpu(kv_dtype, page_size, batch, max_len, heads):
+@pytest.mark.parametrize("balanced", [False, True])
+def test_mla_real_shapes_gpu(kv_dtype, page_size, batch, max_len, heads, balanced):
     lens = torch.randint(1, max_len + 1, (batch,)).tolist()
     lens[-1] = max_len
-    run_mla(kv_dtype, lens, page_size, heads)
+    run_mla(kv_dtype, lens, page_size, heads, balanced=balanced)
