@@ -212,6 +212,8 @@ def _split_kernel(
         split_len = fixed_split_len
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if split == num_splits - 1:  # the last split takes the rest: a short max_seq_len drops nothing
+        end = seq_len
 
     compute_dtype = tl.float16 if FP8 else Q.dtype.element_ty
     q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
@@ -360,6 +362,8 @@ def _mla_kernel(
         split_len = fixed_split_len
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if split == num_splits - 1:  # the last split takes the rest: a short max_seq_len drops nothing
+        end = seq_len
 
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh

@@ -198,6 +198,16 @@ def test_balanced_splits_match_reference(kv_dtype):
     run_gqa(kv_dtype, [37, 1, 170], 8, 4, 2, 64, balanced=True, config=small_tiles)
 
 
+def test_a_max_seq_len_below_the_longest_request_drops_no_tokens():
+    """The plan trusts ``max_seq_len``; if it is short, the last split takes the rest."""
+    table, num_pages = random_table([300, 40], 16, sglang_form=False)
+    q = torch.randn(2, 16, 576, device=DEVICE).bfloat16()
+    kv = torch.randn(num_pages, 16, 1, 576, device=DEVICE).bfloat16()
+    out = poisoned(2, 16, 512)
+    paged_decode_mla_bf16(q, kv, table, 0.07, out=out, max_seq_len=130, total_tokens=340)
+    assert_close(out, paged_decode_mla_bf16_ref(q, kv, table, 0.07), REL_L2["bf16"])
+
+
 def test_balanced_plan_gives_every_split_the_same_tokens():
     # GLM 5's slice at 205 requests of the 1k-8k mix on 132 SMs x 3 programs
     splits, split_len = plan_balanced_splits(784_384, 8192, 32, 396)
