@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from accuracy import rel_l2
 from decode_slice_plan import (
     CONCURRENCY,
     CONFIGS,
@@ -827,10 +828,6 @@ def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
 
 def _in_features(lin: Linear) -> int:
     return lin.weight.k if isinstance(lin.weight, W4A16Weight) else lin.weight.shape[1]
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, device: torch.device,

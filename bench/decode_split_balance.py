@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import triton
+from accuracy import rel_l2
 from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -41,10 +42,6 @@ def mixed_table(batch: int, device: str) -> tuple[PageTable, list[int], int]:
         pages.append(order[at : at + n])
         at += n
     return PageTable.from_page_lists(pages, lengths, PAGE, device), lengths, sum(need)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def bench_case(kind: str, heads: int, kv_heads: int, dim: int, batch: int, kv: str) -> dict:

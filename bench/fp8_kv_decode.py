@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from accuracy import rel_l2
 from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
@@ -104,10 +105,6 @@ def fp8_copies(rows_bf16: torch.Tensor):
     s_pt = torch.tensor(flat.abs().amax().float().item() / 448.0, device="cuda")
     write_kv_fp8(flat, c_pt, s_pt, slots)
     return c_tok, s_tok, c_pt, s_pt
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def bench_gqa(batch, ctx, heads, kv_heads, dim, page_size, sglang, copy_bw, config=None):

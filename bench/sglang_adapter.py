@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import triton
+from accuracy import rel_l2
 from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -77,10 +78,6 @@ def sgl_kernel_status() -> str:
         module.__getattr__ = op  # type: ignore[attr-defined]
         sys.modules["sgl_kernel"] = module
         return f"sgl_kernel Python modules only, ops not loaded: {why}"
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 # ---------------------------------------------------------------- decode attention

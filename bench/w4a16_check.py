@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from accuracy import rel_l2
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
@@ -49,10 +50,6 @@ EXTRA_GEMM = [
 ]
 MOE = (384, 7168, 2048, 8, 32)  # experts, hidden, expert width, top-k, group (bench --quick)
 MOE_TOKENS = (1, 16, 64)
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def weight(n: int, k: int, group: int, symmetric: bool, lead: tuple = ()) -> W4A16Weight:
