@@ -512,6 +512,10 @@ class Batch:
         return max(self.lengths)
 
     @property
+    def total_len(self) -> int:
+        return sum(self.lengths)
+
+    @property
     def new_slots(self) -> torch.Tensor:
         """int64 [B]: where each request's new token goes."""
         return self.integrity.new_slots
@@ -598,10 +602,10 @@ class KernelOps:
         if cache.scale is None:
             return paged_decode_mla_bf16(q, cache.rows, batch.table, sm_scale,
                                          max_seq_len=batch.max_len,
-                                         total_tokens=sum(batch.lengths))  # fmt: skip
+                                         total_tokens=batch.total_len)  # fmt: skip
         return paged_decode_mla_fp8(q, cache.rows, cache.scale, batch.table, sm_scale,
                                     max_seq_len=batch.max_len,
-                                    total_tokens=sum(batch.lengths))  # fmt: skip
+                                    total_tokens=batch.total_len)  # fmt: skip
 
     def integrity(self, batch: Batch) -> torch.Tensor:
         return batch.integrity.step()

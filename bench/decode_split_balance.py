@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 import triton
 from accuracy import rel_l2
+from decode_slice_plan import CONTEXT_MIX, PAGE_SIZE, context_lengths, pages_for
 from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import graph_time_us
 
-MIX = (1024, 2048, 4096, 8192)  # the decode slice's context mix (request i: MIX[i % 4])
-PAGE = 64
 # (kind, query heads, kv heads, head dim, batch): MLA at the 8 and 16 heads a GPU holds at TP 8
 # and TP 4 (GLM 5's slice reaches 205 requests with FP8 KV), one GQA shape
 CASES = [("mla", 8, 1, 576, b) for b in (32, 64, 114, 128, 205)]
@@ -34,19 +33,19 @@ CASES += [("mla", 16, 1, 576, 64), ("gqa", 32, 8, 128, 64)]
 
 
 def mixed_table(batch: int, device: str) -> tuple[PageTable, list[int], int]:
-    lengths = [MIX[i % len(MIX)] for i in range(batch)]
-    need = [triton.cdiv(n, PAGE) for n in lengths]
+    lengths = context_lengths(batch)
+    need = [pages_for(n) for n in lengths]
     order = torch.randperm(sum(need)).tolist()  # pages shuffled, as after churn
     pages, at = [], 0
     for n in need:
         pages.append(order[at : at + n])
         at += n
-    return PageTable.from_page_lists(pages, lengths, PAGE, device), lengths, sum(need)
+    return PageTable.from_page_lists(pages, lengths, PAGE_SIZE, device), lengths, sum(need)
 
 
 def bench_case(kind: str, heads: int, kv_heads: int, dim: int, batch: int, kv: str) -> dict:
     table, lengths, num_pages = mixed_table(batch, "cuda")
-    shape = (num_pages, PAGE, kv_heads, dim)
+    shape = (num_pages, PAGE_SIZE, kv_heads, dim)
     k = torch.randn(shape, device="cuda").bfloat16()
     v = k if kind == "mla" else torch.randn(shape, device="cuda").bfloat16()
     scales = None
@@ -94,7 +93,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "commit": args.commit or None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python bench/decode_split_balance.py", "context_mix": MIX, "page_size": PAGE,
+        "command": "python bench/decode_split_balance.py",
+        "context_mix": CONTEXT_MIX, "page_size": PAGE_SIZE,
         "timing": "median of CUDA-graph replays (bench/timing.py)", "rows": [],
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

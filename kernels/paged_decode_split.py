@@ -148,6 +148,28 @@ def _widen_fp8(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
+                 LENS_ARE_ENDS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Request ``b``'s first table entry and the token range ``[start, end)`` of its ``split``:
+    ``fixed_split_len`` tokens (the balanced plan) or the request's length in ``num_splits``
+    equal parts of whole tiles; the last split takes the rest, so a short ``max_seq_len``
+    drops no tokens."""
+    row = tl.load(indptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens + b).to(tl.int64)
+    if LENS_ARE_ENDS:
+        seq_len -= row
+    seq_len = seq_len.to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if fixed_split_len > 0:
+        split_len = fixed_split_len
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if split == num_splits - 1:
+        end = seq_len
+    return row, start, end
+
+
+@triton.jit
 def _split_kernel(
     Q,
     K,
@@ -202,18 +224,9 @@ def _split_kernel(
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
 
-    row = tl.load(indptr + b).to(tl.int64)
-    seq_len = tl.load(seq_lens + b).to(tl.int64)
-    if LENS_ARE_ENDS:
-        seq_len -= row
-    seq_len = seq_len.to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if fixed_split_len > 0:  # balanced plan: the same tokens per split for every request
-        split_len = fixed_split_len
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    if split == num_splits - 1:  # the last split takes the rest: a short max_seq_len drops nothing
-        end = seq_len
+    row, start, end = _split_range(
+        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N
+    )
 
     compute_dtype = tl.float16 if FP8 else Q.dtype.element_ty
     q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
@@ -352,18 +365,9 @@ def _mla_kernel(
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
 
-    row = tl.load(indptr + b).to(tl.int64)
-    seq_len = tl.load(seq_lens + b).to(tl.int64)
-    if LENS_ARE_ENDS:
-        seq_len -= row
-    seq_len = seq_len.to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if fixed_split_len > 0:  # balanced plan: the same tokens per split for every request
-        split_len = fixed_split_len
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    if split == num_splits - 1:  # the last split takes the rest: a short max_seq_len drops nothing
-        end = seq_len
+    row, start, end = _split_range(
+        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N
+    )
 
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
@@ -542,83 +546,32 @@ def paged_decode(
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_registers and not interpreted:
         launch["maxnreg"] = cfg.max_registers
+    shared = {  # the arguments both stage-1 kernels take, by name
+        "Q": q, "seq_lens": table.seq_lens, "indptr": table.indptr, "indices": table.indices,
+        "part_out": part_out, "part_lse": part_lse, "sm_scale_log2e": sm_scale * LOG2E,
+        "num_splits": splits, "fixed_split_len": fixed_split_len, "head_blocks": head_blocks,
+        "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_pb": part_out.stride(0),
+        "stride_ph": part_out.stride(1), "stride_ps": part_out.stride(2),
+        "PAGE_SIZE": table.page_size, "ENTRIES_PER_PAGE": table.entries_per_page,
+        "LENS_ARE_ENDS": table.seq_lens_are_ends, "D": dim, "D_ROPE": rope_dim,
+        "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n, "FP8": scales is not None,
+        "INTERPRETED": interpreted, **launch,
+    }  # fmt: skip
     if v_from_k and cfg.latent_quarters and dim >= 64:
         _mla_kernel[(programs, splits)](
-            q,
-            k_rows,
-            k_scale,
-            table.seq_lens,
-            table.indptr,
-            table.indices,
-            part_out,
-            part_lse,
-            sm_scale * LOG2E,
-            splits,
-            fixed_split_len,
-            head_blocks,
-            num_heads,
-            q.stride(0),
-            q.stride(1),
-            k_rows.stride(0),
-            k_scale.stride(0),
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            PAGE_SIZE=table.page_size,
-            ENTRIES_PER_PAGE=table.entries_per_page,
-            LENS_ARE_ENDS=table.seq_lens_are_ends,
-            D=dim,
-            D_ROPE=rope_dim,
-            BLOCK_H=cfg.block_h,
-            BLOCK_N=cfg.block_n,
-            FP8=scales is not None,
-            INTERPRETED=interpreted,
-            **launch,
-        )
+            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0), **shared,
+        )  # fmt: skip
     else:
         _split_kernel[(programs, splits)](
-            q,
-            k_rows,
-            v_rows,
-            k_scale,
-            v_scale,
-            table.seq_lens,
-            table.indptr,
-            table.indices,
-            part_out,
-            part_lse,
-            sm_scale * LOG2E,
-            splits,
-            fixed_split_len,
-            num_kv_heads,
-            head_blocks,
-            group,
-            q.stride(0),
-            q.stride(1),
-            k_rows.stride(0),
-            k_rows.stride(1),
-            v_rows.stride(0),
-            v_rows.stride(1),
-            k_scale.stride(0),
-            k_scale.stride(1),
-            v_scale.stride(0),
-            v_scale.stride(1),
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            PAGE_SIZE=table.page_size,
-            ENTRIES_PER_PAGE=table.entries_per_page,
-            LENS_ARE_ENDS=table.seq_lens_are_ends,
-            D=dim,
-            D_ROPE=rope_dim,
-            DV=dv,
-            BLOCK_H=cfg.block_h,
-            BLOCK_N=cfg.block_n,
-            FP8=scales is not None,
-            V_FROM_K=v_from_k,
-            INTERPRETED=interpreted,
-            **launch,
-        )
+            K=k_rows, V=v_rows, K_SCALE=k_scale, V_SCALE=v_scale,
+            num_kv_heads=num_kv_heads, group_size=group,
+            stride_k_slot=k_rows.stride(0), stride_k_head=k_rows.stride(1),
+            stride_v_slot=v_rows.stride(0), stride_v_head=v_rows.stride(1),
+            stride_ks_slot=k_scale.stride(0), stride_ks_head=k_scale.stride(1),
+            stride_vs_slot=v_scale.stride(0), stride_vs_head=v_scale.stride(1),
+            DV=dv, V_FROM_K=v_from_k, **shared,
+        )  # fmt: skip
     _merge_kernel[(batch, num_heads)](
         part_out,
         part_lse,
