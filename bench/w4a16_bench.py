@@ -56,7 +56,11 @@ GEMM_SHAPES = {  # name: (N, K, group) per GPU
 MOE_SHAPES = {  # name: (experts, hidden, expert width, top_k, group)
     "kimi-like 384x7168x2048 top8 g32": (384, 7168, 2048, 8, 32),
     "kimi-like 384x7168x2048 top8 g128": (384, 7168, 2048, 8, 128),
+    # one GPU's share at expert parallelism 8 (48 of the 384 experts): each row is one
+    # dispatched (token, expert) pair, so a few rows touch a few experts (the decode slice)
+    "kimi-k2 EP8 share 48x7168x2048 top1 g32": (48, 7168, 2048, 1, 32),
 }
+QUICK_MOE_SHAPES = ("kimi-like 384x7168x2048 top8 g32", "kimi-k2 EP8 share 48x7168x2048 top1 g32")
 MOE_TOKENS = (1, 4, 16, 32, 64, 128)
 
 
@@ -353,8 +357,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def meta(argv) -> dict:
+def meta(argv, commit: str = "") -> dict:
     return {
+        "commit": commit or None,
         "device": torch.cuda.get_device_name(),
         "driver": subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -373,10 +378,12 @@ def main() -> None:
     ap.add_argument("--m", help="GEMM batch sizes, comma-separated (overrides the default set)")
     ap.add_argument("--candidates", action="store_true",
                     help="also time every GEMM tile candidate and the MoE's parts")  # fmt: skip
+    ap.add_argument("--tokens", help="MoE token counts, comma-separated (overrides the default)")
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -387,7 +394,9 @@ def main() -> None:
         m_values = tuple(int(v) for v in args.m.split(","))
     gemm_shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
     tokens = (1, 16, 64) if args.quick else MOE_TOKENS
-    moe_shapes = dict(list(MOE_SHAPES.items())[:1]) if args.quick else MOE_SHAPES
+    if args.tokens:
+        tokens = tuple(int(v) for v in args.tokens.split(","))
+    moe_shapes = {k: MOE_SHAPES[k] for k in QUICK_MOE_SHAPES} if args.quick else MOE_SHAPES
     t0 = time.time()
     results = {}
     runs = {
@@ -397,7 +406,8 @@ def main() -> None:
     for part, run in runs.items():
         if args.only in (None, part):
             results[part] = run()
-            doc = {**meta(sys.argv), "seconds": round(time.time() - t0, 1), "rows": results[part]}
+            doc = {**meta(sys.argv, args.commit), "seconds": round(time.time() - t0, 1),
+                   "rows": results[part]}  # fmt: skip
             (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):

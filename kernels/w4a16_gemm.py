@@ -360,12 +360,14 @@ def _m_bucket(m: int) -> int:
 
 
 def _split_counts(tiles: int) -> list[int]:
-    """K splits worth timing for ``tiles`` output tiles on a 132-SM H200: the fewest that give
-    every SM a program, and enough for about four programs per SM (with about two per SM the
-    K loop stalled far more than it issued, v2 run)."""
+    """K splits worth timing for ``tiles`` output tiles on a 132-SM H200: the most that keep
+    one program per SM (the longest K loops: the MoE's up GEMM, 128 programs of 56 steps,
+    streamed faster than this GEMM's four splits of 14), the fewest that give every SM a
+    program, and enough for about four programs per SM."""
+    one_wave = max((s for s in (1, 2, 4, 8) if tiles * s <= 132), default=1)
     fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
     deep = next((s for s in (2, 4, 8, 16) if tiles * s >= 4 * 132), 16)
-    return sorted({fill, deep})
+    return sorted({one_wave, fill, deep})
 
 
 def _tile_configs(m: int, n: int, tiles: list[tuple], swap: bool) -> list[GemmConfig]:

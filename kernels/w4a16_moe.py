@@ -58,35 +58,56 @@ def _bf16_accumulate(
 
 
 @triton.jit
-def _silu_mul(acc, SWAP: tl.constexpr):
-    """bf16 ``silu(gate) * up`` of an accumulator whose first half of columns (rows with ``SWAP``)
-    is gate and second half up, each rounded to bf16 first as a stored ``h`` would be."""
-    if SWAP:  # [2 H, BM] -> [H, BM, 2]
-        halves = tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0))
-    else:  # [BM, 2 H] -> [BM, H, 2]
-        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
-    gate, up = tl.split(halves)
+def _silu_mul_values(gate, up):
+    """bf16 ``silu(gate) * up`` of fp32 sums, each rounded to bf16 first as a stored ``h`` would
+    be."""
     gate = gate.to(tl.bfloat16).to(tl.float32)
     up = up.to(tl.bfloat16).to(tl.float32)
     return (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
+def _silu_mul(acc, SWAP: tl.constexpr):
+    """``silu(gate) * up`` of an accumulator whose first half of columns (rows with ``SWAP``) is
+    gate and second half up."""
+    if SWAP:  # [2 H, BM] -> [H, BM, 2]
+        halves = tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0))
+    else:  # [BM, 2 H] -> [BM, H, 2]
+        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
+    gate, up = tl.split(halves)
+    return _silu_mul_values(gate, up)
+
+
+@triton.jit
+def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
+    """out[p, :half] = silu(src[p, :half]) * src[p, half:] for the split-K up GEMM's fp32 sums."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < half
+    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
+    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + p * half + offs, _silu_mul_values(gate, up), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "split_k"])
 def _moe_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
-    N, K, num_pairs, rows_per_x,
+    N, K, num_pairs, rows_per_x, split_k,
     stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+    SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile.
+    """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile,
+    over one of ``split_k`` parts of K (``SPLIT``: fp32 atomic adds into a zeroed ``out``).
 
     With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
     ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and it stores
     ``silu(gate) * up`` into ``out [pairs, N / 2]``, so no ``[pairs, N]`` intermediate is written.
+    SiLU needs whole sums, so it is never fused with ``SPLIT``.
     """
+    tl.static_assert(not (SPLIT and SILU_MUL), "SiLU-and-mul needs the whole K sum")
     pid = tl.program_id(0)
     OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     out_n = N // 2 if SILU_MUL else N
@@ -109,16 +130,19 @@ def _moe_gemm_kernel(
     x_rows = x_ptr + (pairs // rows_per_x).to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, split_k)
+    step_begin = tl.program_id(1) * per_split
+    step_end = tl.minimum(steps, step_begin + per_split)
     if INT4:
         acc = _w4a16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-            z_ptr + expert * stride_se, offs_n, n_mask, K, stride_wk, stride_sk, 0, steps,
-            GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N, SWAP,
+            z_ptr + expert * stride_se, offs_n, n_mask, K, stride_wk, stride_sk, step_begin,
+            step_end, GROUP, HAS_ZEROS, BLOCK_K, FAST, EVEN_K, EVEN_N, SWAP,
         )  # fmt: skip
     else:
         acc = _bf16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
-            0, steps, BLOCK_K, SWAP,
+            step_begin, step_end, BLOCK_K, SWAP,
         )  # fmt: skip
     if SILU_MUL:
         res = _silu_mul(acc, SWAP)
@@ -134,7 +158,10 @@ def _moe_gemm_kernel(
     else:
         out = out_ptr + rows[:, None] + offs_o[None, :]
         mask = m_mask[:, None] & o_mask[None, :]
-    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT:
+        tl.atomic_add(out, res, mask=mask, sem="relaxed")
+    else:
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slots", "num_blocks"])
@@ -190,6 +217,7 @@ class MoeConfig:
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
     swap: bool = False  # weights as the dot's first operand (8-row expert blocks possible)
+    split_k: int = 1  # K parts added with fp32 atomics (SiLU-and-mul then runs as its own launch)
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -270,30 +298,51 @@ def moe_gemm(
     """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p`` -> ``[num_pairs, N]``
     bf16, times ``routing[p]`` when given. With ``silu_mul`` the weight's columns are gate then
     up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``."""
+    out = _moe_gemm(x, w, pair_ids, block_expert, num_pairs, rows_per_x, config, routing, silu_mul)
+    return out.to(torch.bfloat16)
+
+
+def _moe_gemm(x, w, pair_ids, block_expert, num_pairs, rows_per_x, config, routing, silu_mul):
+    """:func:`moe_gemm`, but with ``config.split_k > 1`` and no ``silu_mul`` the fp32 sums are
+    returned as they are (the top-k sum reads fp32, so no cast launch)."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
-    out_n, out_bn = (n // 2, config.block_n // 2) if silu_mul else (n, config.block_n)
     if silu_mul and n % 2:
         raise ValueError(f"gate and up need an even column count, got {n}")
-    out = torch.empty((num_pairs, out_n), dtype=torch.bfloat16, device=x.device)
-    grid = (block_expert.numel() * triton.cdiv(out_n, out_bn),)
+    split = config.split_k > 1
+    fused_silu = silu_mul and not split
+    out_n, out_bn = (n // 2, config.block_n // 2) if fused_silu else (n, config.block_n)
+    if split:
+        out = torch.zeros((num_pairs, n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((num_pairs, out_n), dtype=torch.bfloat16, device=x.device)
+    grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
     _moe_gemm_kernel[grid](
         x, weight, scales, zeros, out, pair_ids, block_expert,
         routing if routing is not None else x,
-        n, k, num_pairs, rows_per_x,
+        n, k, num_pairs, rows_per_x, config.split_k,
         x.stride(0), swe, swk, sse, ssk, out.stride(0),
         INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         FAST=config.fast_decode and not interpreted(),
         EVEN_K=k % config.block_k == 0, EVEN_N=out_n % out_bn == 0, SWAP=config.swap,
-        SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
+        SILU_MUL=fused_silu, SPLIT=split,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out
+    if not (split and silu_mul):
+        return out
+    act = torch.empty((num_pairs, n // 2), dtype=torch.bfloat16, device=x.device)
+    block = 1024
+    _silu_mul_rows_kernel[(num_pairs, triton.cdiv(n // 2, block))](
+        out, act, n // 2, BLOCK=block, num_warps=4
+    )
+    return act
 
 
 def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-    """``out [tokens * top_k, H]`` summed over each token's ``top_k`` rows in fp32 -> bf16."""
+    """``out [tokens * top_k, H]`` (bf16, or the fp32 sums of a split-K down GEMM) summed over
+    each token's ``top_k`` rows in fp32 -> bf16."""
     h = out.shape[1]
     if not _triton_runs(out):
         return out.view(tokens, top_k, h).sum(1, dtype=torch.float32).to(torch.bfloat16)
@@ -310,14 +359,22 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
     half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
     expert (GLM 5's slice at 128 requests) 64-row blocks alone ran the experts 10.8x slower than
-    at 64 requests."""
+    at 64 requests.
+
+    At decode sizes the 8-row blocks also come with K split in 2 to 8: a few pairs give a few
+    blocks, and an expert-parallel GPU at one request touches 2-3 experts, so without the split
+    a GEMM has one program per expert and N tile, too few to fill 132 SMs (the decode slice's
+    experts streamed at 1.17 TB/s)."""
     large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
     if num_pairs > 16 * num_experts:
         return large
     small = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
     if num_pairs > 4 * num_experts:
         return small + large
-    return small + [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
+    swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
+    split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in
+             ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4))]  # fmt: skip
+    return small + swapped + split
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
@@ -350,13 +407,14 @@ def fused_moe(
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
-        # four launches: align, up GEMM with SiLU-and-mul, down GEMM x routing, top-k sum
+        # four launches: align, up GEMM with SiLU-and-mul, down GEMM x routing, top-k sum;
+        # split K adds the zeroing of the fp32 sums and a SiLU-and-mul launch
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
+        act = _moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, None, True)
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
-        out = moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing)
+        out = _moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing, False)
         return _topk_sum(out, tokens, top_k)
 
     if configs is None:

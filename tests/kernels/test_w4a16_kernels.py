@@ -197,6 +197,44 @@ def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
     assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
 
 
+@pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
+def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
+    """K split over programs (fp32 atomics): the up GEMM's SiLU-and-mul becomes its own launch
+    and the top-k sum reads the down GEMM's fp32 sums. The up GEMM's K (384) is 3 steps: split 2
+    gives parts of 2 and 1 steps, split 4 an empty part; the down GEMM's K (96) is one step."""
+    experts, hidden, inter, tokens, top_k = 5, 384, 96, 3, 2
+    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
+                                        symmetric, seed=4)  # fmt: skip
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    plain = MoeConfig(block_m=8, block_n=32, swap=True)
+    for split in (2, 4):
+        swapped = MoeConfig(block_m=8, block_n=32, swap=True, split_k=split)
+        rows16 = MoeConfig(block_n=32, split_k=split)
+        for cfgs in ((swapped, swapped), (rows16, plain), (plain, rows16)):
+            out = fused_moe(x, w13, w2, weights, ids, configs=cfgs)
+            assert out.dtype == torch.bfloat16
+            assert rel_l2(out, ref) <= REL_L2, (split, cfgs)
+    b13 = dequantize(w13, torch.bfloat16).transpose(-1, -2).contiguous()
+    b2 = dequantize(w2, torch.bfloat16).transpose(-1, -2).contiguous()
+    split4 = MoeConfig(block_m=8, block_n=32, swap=True, split_k=4)
+    out16 = fused_moe(x, b13, b2, weights, ids, configs=(split4, split4))
+    assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
+
+
+def test_moe_gemm_split_k_returns_bf16():
+    """The public ``moe_gemm`` keeps its bf16 result when K is split (the fp32 sums are cast)."""
+    w = make_weight((3, 64, 256), 32, True, seed=5)
+    x = make_x(4, 256, seed=6)
+    ids = torch.tensor([[0], [2], [2], [1]], device=DEVICE)
+    pair_ids, block_expert = align_to_experts(ids, 3, 8)
+    cfg = MoeConfig(block_m=8, block_n=32, swap=True, split_k=2)
+    out = moe_module.moe_gemm(x, w, pair_ids, block_expert, 4, 1, cfg)
+    dense = dequantize(w, torch.float32)  # [E, N, K]
+    ref = torch.stack([x[p].float() @ dense[ids[p, 0]].T for p in range(4)])
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 64)
+    assert rel_l2(out, ref) <= REL_L2
+
+
 def test_fused_moe_rejects_mismatched_routing():
     w = make_weight((4, 64, 128), 128, True, seed=0)
     w2 = make_weight((4, 128, 32), 32, True, seed=0)
