@@ -142,8 +142,11 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
 
 def _short(cfg) -> str:
     """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits."""
-    if getattr(cfg, "path", "triton") != "triton":
-        return cfg.path
+    path = getattr(cfg, "path", "triton")
+    if path == "gemv":
+        return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
+    if path != "triton":
+        return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
     split = getattr(cfg, "split_k", 1)
     return text + (f"k{split}" if split > 1 else "")
@@ -275,6 +278,28 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     return {part: graph_time_us(fn, len(rs)) for part, fn in times.items()}
 
 
+def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
+    """Each tile the MoE tuner may pick, timed alone in both GEMMs (the up GEMM with its
+    SiLU-and-mul, the down GEMM on a fixed activation), side by side."""
+    (w13, w2), tokens = w, xs[0].shape[0]
+    experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
+    pairs = tokens * top_k
+    inter = w2.k if isinstance(w2, W4A16Weight) else w2.shape[1]
+    act = torch.randn(pairs, inter, device="cuda", dtype=torch.bfloat16)
+    out = {"up": {}, "down": {}}
+    for cfg in w4a16_moe._candidates(pairs, experts):
+        aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
+        routing = [r[0].reshape(-1) for r in rs]
+        out["up"][_short(cfg)] = graph_time_us(
+            lambda i, c=cfg, a=aligned: moe_gemm(xs[i], w13, *a[i], pairs, top_k, c,
+                                                 silu_mul=True), len(rs))  # fmt: skip
+        out["down"][_short(cfg)] = graph_time_us(
+            lambda i, c=cfg, a=aligned, g=routing: moe_gemm(act, w2, *a[i], pairs, 1, c, g[i]),
+            len(rs),
+        )  # fmt: skip
+    return out
+
+
 def bench_moe_shape(
     name, experts, hidden, inter, top_k, group, token_values, sglang_kernel, candidates
 ):  # fmt: skip
@@ -312,8 +337,14 @@ def bench_moe_shape(
                 if not t >= t_sg:
                     t_sg, best_cfg = t, cfg
         touched = statistics.mean(r[1].unique().numel() for r in rs)
-        parts = {}
+        parts, per_config = {}, {}
         if candidates:
+            for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
+                per_config[kind] = moe_candidates(xs, w, rs, top_k)
+                for gemm, times in per_config[kind].items():
+                    print(f"  T={tokens} {kind} {gemm} candidates (us): " + ", ".join(
+                        f"{c} {t:.1f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])),
+                        flush=True)  # fmt: skip
             tuned = {key[0]: v for key, v in _TUNED.items()
                      if key[0].startswith("moe") and key[1] == tokens}  # fmt: skip
             for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
@@ -334,7 +365,7 @@ def bench_moe_shape(
             "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
             "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
                               if key[0].startswith("moe") and key[1] == tokens},
-            "parts_us": parts,
+            "parts_us": parts, "candidates_us": per_config,
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "

@@ -314,6 +314,169 @@ def _w4a16_gemm_kernel(
         tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
 
 
+# CUDA-core decode for a few tokens (the GEMV path). Nibbles 0 and 4 of a word are
+# ``w & 0x000F000F`` and nibbles 1 and 5 ``w & 0x00F000F0``; or-ed into fp16 ``0x6400`` (1024,
+# mantissa step 1) they read as 1024 + n and 1024 + 16 n. One fp16x2 fma per pair then gives
+# (n - zero) / 64 exactly, and the products with the fp16 activation pairs (x_i, x_i+4) are
+# summed in fp16x2 over the word's eight inputs. The 1/64 keeps every product and partial sum
+# of any fp16 activation below fp16's 65504 (|n - zero| <= 15, four products a lane); the
+# launcher multiplies the scales by 64.
+_GEMV_WORD_ASM = """{
+.reg .b32 t, lo, mi, acc, c16, c1024, klo, kmi;
+.reg .b16 h0, h1;
+.reg .f32 f0, f1;
+mov.b32 c16, 0x24002400;
+mov.b32 c1024, 0x14001400;
+lop3.b32 lo, $1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 mi, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 lo, lo, c16, $6;
+fma.rn.f16x2 mi, mi, c1024, $7;
+mul.rn.f16x2 acc, lo, $2;
+fma.rn.f16x2 acc, mi, $3, acc;
+shr.u32 t, $1, 8;
+lop3.b32 lo, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 mi, t, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 lo, lo, c16, $6;
+fma.rn.f16x2 mi, mi, c1024, $7;
+fma.rn.f16x2 acc, lo, $4, acc;
+fma.rn.f16x2 acc, mi, $5, acc;
+mov.b32 {h0, h1}, acc;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+add.f32 $0, f0, f1;
+}"""
+
+
+def _gemv_x_asm() -> str:
+    """PTX: four bf16x2 words (x0, x1) (x2, x3) (x4, x5) (x6, x7) -> fp16x2 (x0, x4) (x1, x5)
+    (x2, x6) (x3, x7). ``prmt`` pairs the halves, a shift or a mask widens each bf16 to fp32,
+    one ``cvt`` rounds both to fp16."""
+    body = ""
+    for out, (lo, hi, sel) in enumerate(((4, 6, "0x5410"), (4, 6, "0x7632"),
+                                         (5, 7, "0x5410"), (5, 7, "0x7632"))):  # fmt: skip
+        body += (f"prmt.b32 p, ${lo}, ${hi}, {sel}; shl.b32 a, p, 16; "
+                 f"and.b32 b, p, 0xFFFF0000; cvt.rn.f16x2.f32 ${out}, b, a; ")  # fmt: skip
+    return "{ .reg .b32 p, a, b; " + body + "}"
+
+
+_GEMV_X = tl.constexpr(_gemv_x_asm())
+_GEMV_WORD = tl.constexpr(_GEMV_WORD_ASM)
+_GEMV_KLO_SYMMETRIC = tl.constexpr(-0x33F733F8)  # bits 0xCC08CC08
+_GEMV_KMI_SYMMETRIC = tl.constexpr(-0x437F4380)  # bits 0xBC80BC80
+
+
+@triton.jit
+def _gemv_word_sums(words, x_base, x_ok, zero, HAS_ZEROS: tl.constexpr, FAST: tl.constexpr):
+    """fp32 ``sum_i (code_i - zero) * x[i]`` of each int32 word (8 inputs of one output);
+    ``x_base`` points at each word row's 8 bf16 activations. With ``FAST`` (the fp16x2 PTX
+    decode) the sums are in units of 1/64; without, exact fp32 products (the interpreter)."""
+    if FAST:
+        xw = x_base.to(tl.pointer_type(tl.int32), bitcast=True)
+        x01 = tl.load(xw, mask=x_ok, other=0)
+        x23 = tl.load(xw + 1, mask=x_ok, other=0)
+        x45 = tl.load(xw + 2, mask=x_ok, other=0)
+        x67 = tl.load(xw + 3, mask=x_ok, other=0)
+        x04, x15, x26, x37 = tl.inline_asm_elementwise(
+            _GEMV_X, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+        if HAS_ZEROS:
+            klo = (-16.0 - zero / 64.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            kmi = (-1.0 - zero / 64.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            klo = (klo & 0xFFFF) | (klo << 16)
+            kmi = (kmi & 0xFFFF) | (kmi << 16)
+        else:  # zero point 8: fp16x2 (-16.125, -16.125) and (-1.125, -1.125)
+            klo = tl.full((1, 1), _GEMV_KLO_SYMMETRIC, tl.int32)
+            kmi = tl.full((1, 1), _GEMV_KMI_SYMMETRIC, tl.int32)
+        return tl.inline_asm_elementwise(
+            _GEMV_WORD, "=r,r,r,r,r,r,r,r", [words, x04, x15, x26, x37, klo, kmi],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    total = tl.zeros(words.shape, tl.float32)
+    for i in tl.static_range(8):
+        code = ((words >> (4 * i)) & 0xF).to(tl.float32)
+        x_i = tl.load(x_base + i, mask=x_ok, other=0.0).to(tl.float32)
+        total += (code - zero) * x_i
+    return total
+
+
+@triton.jit
+def _gemv_load_words(
+    qw_ptr, step, offs_r, offs_n, n_mask, rows_total, stride_qk,
+    BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """The ``[BLOCK_R, BLOCK_N]`` words of K step ``step``."""
+    rows = step * BLOCK_R + offs_r
+    w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
+    if EVEN_K and EVEN_N:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(rows < rows_total)[:, None] & n_mask[None, :], other=0)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, split_k,
+    stride_xm, stride_qk, stride_sk, stride_om,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
+    of ``split_k`` K parts, without tensor cores or shared memory: per step a ``[BLOCK_R,
+    BLOCK_N]`` tile of words is decoded in the registers it was loaded into (no layout change),
+    each word's eight products summed by :func:`_gemv_word_sums` and multiplied by its scale
+    into an fp32 accumulator of the same shape, reduced over its rows once at the end. The
+    tokens of a column tile are neighbouring programs, so all but the first read it from L2."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    m = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    rows_total = K // 8
+    steps = tl.cdiv(rows_total, BLOCK_R)
+    per_split = tl.cdiv(steps, split_k)
+    step_begin = pid_k * per_split
+    step_end = tl.minimum(steps, step_begin + per_split)
+    unit = 64.0 if FAST else 1.0  # the word sums' unit with FAST
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    # the words of the next step are loaded before this step's are decoded (nothing else
+    # prefetches: Triton pipelines only loads that feed a dot); the last step reloads its own
+    words = _gemv_load_words(qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask,
+                             rows_total, stride_qk, BLOCK_R, EVEN_K, EVEN_N)  # fmt: skip
+    for step in range(step_begin, step_end):
+        next_words = _gemv_load_words(
+            qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
+            stride_qk, BLOCK_R, EVEN_K, EVEN_N,
+        )  # fmt: skip
+        rows = step * BLOCK_R + offs_r
+        r_mask = rows < rows_total
+        if EVEN_K:  # no masks: a masked load zeroes its registers first
+            r_mask = tl.full((BLOCK_R,), 1, tl.int1)
+        mask = r_mask[:, None] & n_mask[None, :]
+        # [BLOCK_R, BLOCK_N] like the words (rows of one group repeat, from L1): a [1, BLOCK_N]
+        # load gets another layout, and the accumulator then changes layout every step
+        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+        if EVEN_K and EVEN_N:
+            scale = tl.load(s_ptr + g_off)
+        else:
+            scale = tl.load(s_ptr + g_off, mask=mask, other=0.0)
+        scale = scale.to(tl.float32) * unit
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
+        else:
+            zero = tl.full((1, BLOCK_N), 8.0, tl.float32)
+        x_base = x_ptr + m * stride_xm + rows[:, None] * 8
+        acc += _gemv_word_sums(words, x_base, r_mask[:, None], zero, HAS_ZEROS, FAST) * scale
+        words = next_words
+    res = tl.sum(acc, axis=0)
+    out = out_ptr + m * stride_om + offs_n
+    if SPLIT:
+        tl.atomic_add(out, res, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @triton.jit
 def _w4a16_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qk, stride_sk, stride_ok,
@@ -338,8 +501,9 @@ def _w4a16_dequant_kernel(
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One way to run the GEMM: ``path`` is ``"triton"`` (the kernel above) or
-    ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
+    """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
+    (the CUDA-core kernel for a few tokens; ``block_m`` unused) or ``"dequant_cublas"``
+    (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
     block_m: int = 16
@@ -400,7 +564,12 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     previous = [(16, 256, 4, 4)] if m <= 16 else [(16, 256, 4, 4), (32, 128, 4, 4)]
     if m > 16:
         swapped.append((64, 256, 8, 3))
-    return _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
+    out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
+    if m <= 4:  # the CUDA-core path decodes the words once per token
+        for bn, bk in ((128, 128), (256, 128), (256, 64)):
+            for s in _split_counts(triton.cdiv(n, bn) * m):
+                out.append(GemmConfig("gemv", 1, bn, bk, s, 4, 1))
+    return out
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -432,6 +601,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
+    if cfg.path == "gemv":
+        return _run_gemv(x, w, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
     if cfg.split_k == 1:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
@@ -446,6 +617,26 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
         EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, SWAP=cfg.swap,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
+
+
+def _run_gemv(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
+    m = x.shape[0]
+    if cfg.split_k == 1:
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+    else:
+        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
+    _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
+        x, w.qweight, w.scales, zeros, out,
+        m, w.n, w.k, cfg.split_k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=cfg.block_n,
+        BLOCK_R=cfg.block_k // PACK, SPLIT=cfg.split_k > 1,
+        FAST=cfg.fast_decode and not interpreted(),
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)

@@ -86,6 +86,48 @@ def test_swapped_gemm_matches_reference(m, n, k, group, symmetric, split_k, bloc
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
 
+# (M, N, K, group, symmetric, BLOCK_N, BLOCK_K, split_k): odd N, K not a multiple of the step,
+# groups smaller and larger than the step, zeros, split-K with an empty part
+GEMV_CASES = [
+    (1, 40, 256, 128, True, 32, 128, 1),
+    (3, 33, 384, 32, False, 32, 64, 2),
+    (2, 72, 512, 64, True, 64, 128, 3),
+    (1, 64, 640, 128, False, 32, 128, 8),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,symmetric,bn,bk,split_k", GEMV_CASES)
+def test_gemv_matches_reference(m, n, k, group, symmetric, bn, bk, split_k):
+    """The CUDA-core path for a few tokens (on the GPU its fp16x2 PTX decode, in the
+    interpreter the same kernel with exact fp32 products)."""
+    w = make_weight((n, k), group, symmetric, seed=n)
+    x = make_x(m, k, seed=k)
+    cfg = GemmConfig("gemv", block_n=bn, block_k=bk, split_k=split_k, num_stages=1)
+    out = w4a16_matmul(x, w, cfg)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("group,symmetric", [(128, True), (32, False)])
+def test_gemv_fp16_decode_real_shapes(group, symmetric):
+    """The fp16x2 decode against the fp32 reference at a real shape, with activations up to
+    fp16's range (the 1/64 unit keeps every product and partial sum finite) and the plain
+    decode of the same kernel."""
+    w = make_weight((7168, 2048), group, symmetric, seed=group)
+    x = make_x(2, 2048, seed=1)
+    x[1] *= 4096  # |x| up to about 2e4
+    ref = w4a16_matmul_reference(x, w)
+    for split in (1, 4):
+        fast = w4a16_matmul(x, w, GemmConfig("gemv", block_n=256, split_k=split, num_stages=1))
+        plain = w4a16_matmul(
+            x, w, GemmConfig("gemv", block_n=256, split_k=split, num_stages=1, fast_decode=False)
+        )
+        assert torch.isfinite(fast).all()
+        assert rel_l2(fast, ref) <= REL_L2 and rel_l2(plain, ref) <= REL_L2
+
+
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
 def test_dequantize_kernel_is_exact(group, symmetric):
     w = make_weight((24, 256), group, symmetric, seed=group)
