@@ -565,8 +565,8 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     if m > 16:
         swapped.append((64, 256, 8, 3))
     out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
-    if m <= 4:  # the CUDA-core path decodes the words once per token
-        for bn, bk in ((128, 128), (256, 128), (256, 64)):
+    if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
+        for bn, bk in ((128, 128), (256, 64)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
                 out.append(GemmConfig("gemv", 1, bn, bk, s, 4, 1))
     return out
