@@ -3,8 +3,9 @@
     ncu --clock-control none --profile-from-start off --section WarpStateStats \\
         python bench/w4a16_profile.py
 
-Profiles the GEMM at M = 1, 16384 x 7168, group 128 (the weights-first 8 x 256 tile, 4 K splits,
-the v3 tuner's choice) and the MoE up GEMM at one token (Kimi-like experts, group 32).
+Profiles the GEMM at M = 1, 16384 x 7168, group 128, on both paths the v5 tuner chose between
+(the weights-first 8 x 256 tensor-core tile with 4 K splits, and the CUDA-core GEMV with 128
+columns and 8 K splits), and the MoE up GEMM at one token (Kimi-like experts, group 32).
 Compilation and a warm-up run happen before the profiler starts.
 """
 
@@ -27,6 +28,7 @@ def main() -> None:
     w = random_int4((), 16384, 7168, 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
     gemm_cfg = GemmConfig("triton", 8, 256, 128, 4, 4, 4, swap=True)
+    gemv_cfg = GemmConfig("gemv", 1, 128, 128, 8, 4, 1)
     experts, hidden, inter = 384, 7168, 2048
     w13 = random_int4((experts,), 2 * inter, hidden, 32)
     ids = torch.randperm(experts, device="cuda")[:8].view(1, 8)
@@ -36,6 +38,7 @@ def main() -> None:
 
     def run() -> None:
         w4a16_matmul(x, w, gemm_cfg)
+        w4a16_matmul(x, w, gemv_cfg)
         moe_gemm(xm, w13, pair_ids, block_expert, 8, 8, moe_cfg, silu_mul=True)
 
     run()

@@ -413,6 +413,35 @@ def _gemv_load_words(
     return tl.load(w_ptrs, mask=(rows < rows_total)[:, None] & n_mask[None, :], other=0)
 
 
+@triton.jit
+def _gemv_step(
+    acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total, stride_xm,
+    stride_sk, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_R: tl.constexpr,
+    FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus K step ``step``'s words (loaded by the caller) times token ``m``'s
+    activations and the scales."""
+    rows = step * BLOCK_R + offs_r
+    r_mask = rows < rows_total
+    if EVEN_K:  # no masks: a masked load zeroes its registers first
+        r_mask = tl.full((BLOCK_R,), 1, tl.int1)
+    mask = r_mask[:, None] & n_mask[None, :]
+    # [BLOCK_R, BLOCK_N] like the words (rows of one group repeat, from L1): a [1, BLOCK_N]
+    # load gets another layout, and the accumulator then changes layout every step
+    g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
+    if EVEN_K and EVEN_N:
+        scale = tl.load(s_ptr + g_off)
+    else:
+        scale = tl.load(s_ptr + g_off, mask=mask, other=0.0)
+    scale = scale.to(tl.float32) * (64.0 if FAST else 1.0)  # the word sums' unit with FAST
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
+    else:
+        zero = tl.full((1, offs_n.shape[0]), 8.0, tl.float32)
+    x_base = x_ptr + m * stride_xm + rows[:, None] * 8
+    return acc + _gemv_word_sums(words, x_base, r_mask[:, None], zero, HAS_ZEROS, FAST) * scale
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
@@ -420,14 +449,18 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
-    of ``split_k`` K parts, without tensor cores or shared memory: per step a ``[BLOCK_R,
-    BLOCK_N]`` tile of words is decoded in the registers it was loaded into (no layout change),
-    each word's eight products summed by :func:`_gemv_word_sums` and multiplied by its scale
-    into an fp32 accumulator of the same shape, reduced over its rows once at the end. The
-    tokens of a column tile are neighbouring programs, so all but the first read it from L2."""
+    of ``split_k`` K parts, without tensor cores: per step a ``[BLOCK_R, BLOCK_N]`` tile of
+    words is decoded in the registers it was loaded into (no layout change), each word's eight
+    products summed by :func:`_gemv_word_sums` and multiplied by its scale into an fp32
+    accumulator of the same shape, reduced over its rows once at the end. The tokens of a
+    column tile are neighbouring programs, so all but the first read it from L2.
+
+    ``STAGES > 1``: Triton pipelines the step's loads through shared memory that many steps
+    deep. ``STAGES == 1``: no shared memory; the next step's words are loaded into registers
+    before this step's are decoded (the last step reloads its own)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -438,37 +471,30 @@ def _w4a16_gemv_kernel(
     per_split = tl.cdiv(steps, split_k)
     step_begin = pid_k * per_split
     step_end = tl.minimum(steps, step_begin + per_split)
-    unit = 64.0 if FAST else 1.0  # the word sums' unit with FAST
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-    # the words of the next step are loaded before this step's are decoded (nothing else
-    # prefetches: Triton pipelines only loads that feed a dot); the last step reloads its own
-    words = _gemv_load_words(qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask,
-                             rows_total, stride_qk, BLOCK_R, EVEN_K, EVEN_N)  # fmt: skip
-    for step in range(step_begin, step_end):
-        next_words = _gemv_load_words(
-            qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
+    if STAGES > 1:
+        for step in tl.range(step_begin, step_end, num_stages=STAGES):
+            words = _gemv_load_words(qw_ptr, step, offs_r, offs_n, n_mask, rows_total,
+                                     stride_qk, BLOCK_R, EVEN_K, EVEN_N)  # fmt: skip
+            acc = _gemv_step(
+                acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
+                stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
+            )  # fmt: skip
+    else:
+        words = _gemv_load_words(
+            qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask, rows_total,
             stride_qk, BLOCK_R, EVEN_K, EVEN_N,
         )  # fmt: skip
-        rows = step * BLOCK_R + offs_r
-        r_mask = rows < rows_total
-        if EVEN_K:  # no masks: a masked load zeroes its registers first
-            r_mask = tl.full((BLOCK_R,), 1, tl.int1)
-        mask = r_mask[:, None] & n_mask[None, :]
-        # [BLOCK_R, BLOCK_N] like the words (rows of one group repeat, from L1): a [1, BLOCK_N]
-        # load gets another layout, and the accumulator then changes layout every step
-        g_off = (rows // (GROUP // 8))[:, None] * stride_sk + offs_n[None, :]
-        if EVEN_K and EVEN_N:
-            scale = tl.load(s_ptr + g_off)
-        else:
-            scale = tl.load(s_ptr + g_off, mask=mask, other=0.0)
-        scale = scale.to(tl.float32) * unit
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
-        else:
-            zero = tl.full((1, BLOCK_N), 8.0, tl.float32)
-        x_base = x_ptr + m * stride_xm + rows[:, None] * 8
-        acc += _gemv_word_sums(words, x_base, r_mask[:, None], zero, HAS_ZEROS, FAST) * scale
-        words = next_words
+        for step in range(step_begin, step_end):
+            next_words = _gemv_load_words(
+                qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
+                stride_qk, BLOCK_R, EVEN_K, EVEN_N,
+            )  # fmt: skip
+            acc = _gemv_step(
+                acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
+                stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
+            )  # fmt: skip
+            words = next_words
     res = tl.sum(acc, axis=0)
     out = out_ptr + m * stride_om + offs_n
     if SPLIT:
@@ -566,9 +592,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         swapped.append((64, 256, 8, 3))
     out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
-        for bn, bk in ((128, 128), (256, 64)):
+        for bn, bk, stages in ((128, 128, 1), (256, 64, 1), (128, 128, 3), (128, 64, 4)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
-                out.append(GemmConfig("gemv", 1, bn, bk, s, 4, 1))
+                out.append(GemmConfig("gemv", 1, bn, bk, s, 4, stages))
     return out
 
 
@@ -636,7 +662,7 @@ def _run_gemv(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=cfg.block_n,
         BLOCK_R=cfg.block_k // PACK, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
