@@ -148,21 +148,28 @@ def _widen_fp8(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
-                 LENS_ARE_ENDS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _split_range(
+    seq_lens, indptr, b, split, num_splits, fixed_split_len,
+    LENS_ARE_ENDS: tl.constexpr, BLOCK_N: tl.constexpr, BALANCED: tl.constexpr,
+):  # fmt: skip
     """Request ``b``'s first table entry and the token range ``[start, end)`` of its ``split``:
-    ``fixed_split_len`` tokens (the balanced plan) or the request's length in ``num_splits``
-    equal parts of whole tiles; the last split takes the rest, so a short ``max_seq_len``
-    drops no tokens."""
+    ``fixed_split_len`` tokens (``BALANCED``, the balanced plan) or the request's length in
+    ``num_splits`` equal parts of whole tiles; the last split takes the rest, so a short
+    ``max_seq_len`` drops no tokens.
+
+    ``BALANCED`` is a compile-time choice: choosing at run time (``fixed_split_len > 0``) made
+    ptxas give the FP8 GQA kernel 181 registers instead of 148 for the same loop (2 programs
+    per SM instead of 3), 9-20% slower on the H200."""
     row = tl.load(indptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens + b).to(tl.int64)
     if LENS_ARE_ENDS:
         seq_len -= row
     seq_len = seq_len.to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if fixed_split_len > 0:
+    if BALANCED:
         split_len = fixed_split_len
-    start = split * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = tl.multiple_of(split * split_len, BLOCK_N)  # both plans give whole tiles
     end = tl.minimum(start + split_len, seq_len)
     if split == num_splits - 1:
         end = seq_len
@@ -203,6 +210,7 @@ def _split_kernel(
     PAGE_SIZE: tl.constexpr,
     ENTRIES_PER_PAGE: tl.constexpr,
     LENS_ARE_ENDS: tl.constexpr,
+    BALANCED: tl.constexpr,
     D: tl.constexpr,
     D_ROPE: tl.constexpr,
     DV: tl.constexpr,
@@ -225,7 +233,7 @@ def _split_kernel(
     offs_dv = tl.arange(0, DV)
 
     row, start, end = _split_range(
-        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N
+        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N, BALANCED
     )
 
     compute_dtype = tl.float16 if FP8 else Q.dtype.element_ty
@@ -347,6 +355,7 @@ def _mla_kernel(
     PAGE_SIZE: tl.constexpr,
     ENTRIES_PER_PAGE: tl.constexpr,
     LENS_ARE_ENDS: tl.constexpr,
+    BALANCED: tl.constexpr,
     D: tl.constexpr,
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -366,7 +375,7 @@ def _mla_kernel(
     mask_h = heads < num_heads
 
     row, start, end = _split_range(
-        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N
+        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N, BALANCED
     )
 
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
@@ -553,7 +562,8 @@ def paged_decode(
         "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_pb": part_out.stride(0),
         "stride_ph": part_out.stride(1), "stride_ps": part_out.stride(2),
         "PAGE_SIZE": table.page_size, "ENTRIES_PER_PAGE": table.entries_per_page,
-        "LENS_ARE_ENDS": table.seq_lens_are_ends, "D": dim, "D_ROPE": rope_dim,
+        "LENS_ARE_ENDS": table.seq_lens_are_ends, "BALANCED": fixed_split_len > 0,
+        "D": dim, "D_ROPE": rope_dim,
         "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n, "FP8": scales is not None,
         "INTERPRETED": interpreted, **launch,
     }  # fmt: skip
