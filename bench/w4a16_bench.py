@@ -144,8 +144,7 @@ def _short(cfg) -> str:
     """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits."""
     path = getattr(cfg, "path", "triton")
     if path == "gemv":
-        text = f"gemv{cfg.block_n}x{cfg.block_k}s{cfg.num_stages}"
-        return text + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
+        return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"

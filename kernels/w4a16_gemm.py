@@ -449,7 +449,7 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores: per step a ``[BLOCK_R, BLOCK_N]`` tile of
@@ -458,9 +458,10 @@ def _w4a16_gemv_kernel(
     accumulator of the same shape, reduced over its rows once at the end. The tokens of a
     column tile are neighbouring programs, so all but the first read it from L2.
 
-    ``STAGES > 1``: Triton pipelines the step's loads through shared memory that many steps
-    deep. ``STAGES == 1``: no shared memory; the next step's words are loaded into registers
-    before this step's are decoded (the last step reloads its own)."""
+    Triton pipelines only loads that feed a dot, so the next step's words are loaded into
+    registers before this step's are decoded (the last step reloads its own). Loads pipelined
+    through shared memory instead (``tl.range(..., num_stages=3)``) measured slower on the
+    H200 (27.6 against 26.4 us, bench/results/w4a16_gemm_v5.json)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -472,29 +473,20 @@ def _w4a16_gemv_kernel(
     step_begin = pid_k * per_split
     step_end = tl.minimum(steps, step_begin + per_split)
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-    if STAGES > 1:
-        for step in tl.range(step_begin, step_end, num_stages=STAGES):
-            words = _gemv_load_words(qw_ptr, step, offs_r, offs_n, n_mask, rows_total,
-                                     stride_qk, BLOCK_R, EVEN_K, EVEN_N)  # fmt: skip
-            acc = _gemv_step(
-                acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
-                stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
-            )  # fmt: skip
-    else:
-        words = _gemv_load_words(
-            qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask, rows_total,
+    words = _gemv_load_words(
+        qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask, rows_total,
+        stride_qk, BLOCK_R, EVEN_K, EVEN_N,
+    )  # fmt: skip
+    for step in range(step_begin, step_end):
+        next_words = _gemv_load_words(
+            qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
             stride_qk, BLOCK_R, EVEN_K, EVEN_N,
         )  # fmt: skip
-        for step in range(step_begin, step_end):
-            next_words = _gemv_load_words(
-                qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
-                stride_qk, BLOCK_R, EVEN_K, EVEN_N,
-            )  # fmt: skip
-            acc = _gemv_step(
-                acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
-                stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
-            )  # fmt: skip
-            words = next_words
+        acc = _gemv_step(
+            acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
+            stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
+        )  # fmt: skip
+        words = next_words
     res = tl.sum(acc, axis=0)
     out = out_ptr + m * stride_om + offs_n
     if SPLIT:
@@ -528,8 +520,8 @@ def _w4a16_dequant_kernel(
 @dataclass(frozen=True)
 class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
-    (the CUDA-core kernel for a few tokens; ``block_m`` unused) or ``"dequant_cublas"``
-    (dequantize to bf16, then torch's matmul)."""
+    (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused) or
+    ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
     block_m: int = 16
@@ -592,9 +584,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         swapped.append((64, 256, 8, 3))
     out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
-        for bn, bk, stages in ((128, 128, 1), (256, 64, 1), (128, 128, 3), (128, 64, 4)):
+        for bn, bk in ((128, 128), (256, 64)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
-                out.append(GemmConfig("gemv", 1, bn, bk, s, 4, stages))
+                out.append(GemmConfig("gemv", 1, bn, bk, s, 4))
     return out
 
 
@@ -662,8 +654,8 @@ def _run_gemv(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=cfg.block_n,
         BLOCK_R=cfg.block_k // PACK, SPLIT=cfg.split_k > 1,
         FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
+        num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     return out if cfg.split_k == 1 else out.to(torch.bfloat16)
 

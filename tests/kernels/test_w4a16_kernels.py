@@ -104,12 +104,9 @@ def test_gemv_matches_reference(m, n, k, group, symmetric, bn, bk, split_k):
     interpreter the same kernel with exact fp32 products)."""
     w = make_weight((n, k), group, symmetric, seed=n)
     x = make_x(m, k, seed=k)
-    ref = w4a16_matmul_reference(x, w)
-    for stages in (1, 3):  # register prefetch, or loads pipelined through shared memory
-        cfg = GemmConfig("gemv", block_n=bn, block_k=bk, split_k=split_k, num_stages=stages)
-        out = w4a16_matmul(x, w, cfg)
-        assert out.shape == (m, n) and out.dtype == torch.bfloat16
-        assert rel_l2(out, ref) <= REL_L2, stages
+    out = w4a16_matmul(x, w, GemmConfig("gemv", block_n=bn, block_k=bk, split_k=split_k))
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
 
 @gpu
@@ -123,8 +120,8 @@ def test_gemv_fp16_decode_real_shapes(group, symmetric):
     x = make_x(2, 2048, seed=1)
     x[1] *= 4096  # |x| up to about 2e4
     ref = w4a16_matmul_reference(x, w)
-    for split, stages in ((1, 1), (4, 1), (4, 3)):
-        cfg = GemmConfig("gemv", block_n=256, split_k=split, num_stages=stages)
+    for split in (1, 4):
+        cfg = GemmConfig("gemv", block_n=256, split_k=split)
         fast = w4a16_matmul(x, w, cfg)
         plain = w4a16_matmul(x, w, dataclasses.replace(cfg, fast_decode=False))
         assert torch.isfinite(fast).all()
