@@ -388,6 +388,11 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def _portable(args: list[str]) -> list[str]:
+    """The arguments without this machine's output folder."""
+    return ["OUT_DIR" if i and args[i - 1] == "--out" else a for i, a in enumerate(args)]
+
+
 def meta(argv, commit: str = "") -> dict:
     return {
         "commit": commit or None,
@@ -398,7 +403,7 @@ def meta(argv, commit: str = "") -> dict:
         ).stdout.strip(),
         "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *argv]),
+        "command": " ".join(["python bench/w4a16_bench.py", *_portable(argv[1:])]),
         "timing": "CUDA-graph replay, median of 10 replays, weights/inputs rotated past L2",
     }  # fmt: skip
 
