@@ -314,13 +314,14 @@ def _w4a16_gemm_kernel(
         tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
 
 
-# CUDA-core decode for a few tokens (the GEMV path). Nibbles 0 and 4 of a word are
+# CUDA-core decode for one token (the GEMV path). Nibbles 0 and 4 of a word are
 # ``w & 0x000F000F`` and nibbles 1 and 5 ``w & 0x00F000F0``; or-ed into fp16 ``0x6400`` (1024,
 # mantissa step 1) they read as 1024 + n and 1024 + 16 n. One fp16x2 fma per pair then gives
 # (n - zero) / 64 exactly, and the products with the fp16 activation pairs (x_i, x_i+4) are
 # summed in fp16x2 over the word's eight inputs. The 1/64 keeps every product and partial sum
-# of any fp16 activation below fp16's 65504 (|n - zero| <= 15, four products a lane); the
-# launcher multiplies the scales by 64.
+# of any fp16 activation below fp16's 65504 (|n - zero| <= 15, four products a lane), so the
+# only range limit is the activations' own rounding to fp16 (|x| < 65504); the scales are
+# multiplied by 64.
 _GEMV_WORD_ASM = """{
 .reg .b32 t, lo, mi, acc, c16, c1024, klo, kmi;
 .reg .b16 h0, h1;
