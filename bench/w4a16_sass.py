@@ -12,6 +12,7 @@ issue when this number is high: an SM issues about 128 thread-instructions per c
     python bench/w4a16_sass.py 16,256,128,4,4       # BLOCK_M,BLOCK_N,group,warps[,stages[,BLOCK_K]]
     python bench/w4a16_sass.py --plain ...          # the plain-Triton decode instead of the PTX one
     python bench/w4a16_sass.py --moe ...            # the MoE grouped GEMM (INT4 experts)
+    python bench/w4a16_sass.py --gemv 1,128,128,4   # the one-token CUDA-core GEMV (BLOCK_M unused)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 import triton
-from tessera.kernels.w4a16_gemm import _w4a16_gemm_kernel
+from tessera.kernels.w4a16_gemm import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from tessera.kernels.w4a16_moe import _moe_gemm_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,10 +38,11 @@ GEMM_SIGNATURE = {
 MOE_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
     "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32", "routing_ptr": "*fp32",
-    "N": "i32", "K": "i32", "num_pairs": "i32", "rows_per_x": "i32",
+    "N": "i32", "K": "i32", "num_pairs": "i32", "rows_per_x": "i32", "split_k": "i32",
     "stride_xm": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_se": "i32",
     "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
+GEMV_SIGNATURE = {**GEMM_SIGNATURE, "out_ptr": "*fp32"}  # split K adds into fp32
 NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
     (16, 64, 128, 4, 4),
@@ -58,6 +60,7 @@ def compile_cubin(
     moe: bool = False,
     swap: bool = False,
     silu: bool = False,
+    gemv: bool = False,
 ) -> bytes:
     bm, bn, group, warps, *rest = cfg
     stages = rest[0] if rest else 4
@@ -66,9 +69,14 @@ def compile_cubin(
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
         "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap,
     }  # fmt: skip
-    if moe:
+    if gemv:  # the tuner's choice at M = 1: K split, fp32 atomics
+        fn, sig = _w4a16_gemv_kernel, GEMV_SIGNATURE
+        constexprs = {"GROUP": group, "HAS_ZEROS": False, "BLOCK_N": bn, "BLOCK_R": block_k // 8,
+                      "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True}  # fmt: skip
+    elif moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
-        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu}
+        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu,
+                      "SPLIT": False}  # fmt: skip
     else:
         fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
         constexprs = {**common, "SPLIT": False}
@@ -118,18 +126,27 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="the MoE grouped GEMM kernel")
     ap.add_argument("--swap", action="store_true", help="weights as the dot's first operand")
     ap.add_argument("--silu", action="store_true", help="MoE up GEMM with SiLU-and-mul epilogue")
+    ap.add_argument("--gemv", action="store_true", help="the one-token CUDA-core GEMV")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or CONFIGS
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    kind = ("moe" if args.moe else "gemm") + ("-plain" if args.plain else "")
+    kind = "moe" if args.moe else "gemv" if args.gemv else "gemm"
+    kind += "-plain" if args.plain else ""
     kind += ("-swap" if args.swap else "") + ("-silu" if args.silu else "")
     for cfg in configs:
         bm, bn, group, warps, *rest = cfg
         block_k = rest[1] if len(rest) > 1 else 128
         cubin = scratch / f"w4a16_{kind}_{'_'.join(map(str, cfg))}.cubin"
         cubin.write_bytes(
-            compile_cubin(cfg, fast=not args.plain, moe=args.moe, swap=args.swap, silu=args.silu)
+            compile_cubin(
+                cfg,
+                fast=not args.plain,
+                moe=args.moe,
+                swap=args.swap,
+                silu=args.silu,
+                gemv=args.gemv,
+            )
         )
         ops = loop_opcodes(cubin)
         weights_per_thread = bn * block_k // (32 * warps)  # one K step
