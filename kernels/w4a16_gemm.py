@@ -620,45 +620,33 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
+    split = cfg.split_k > 1  # fp32 atomics into a zeroed output, cast afterwards
+    if split:
+        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+    zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
+    args = (
+        x, w.qweight, w.scales, zeros, out, m, w.n, w.k, cfg.split_k,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+    )  # fmt: skip
+    common = {
+        "GROUP": w.group_size, "HAS_ZEROS": w.zeros is not None, "BLOCK_N": cfg.block_n,
+        "SPLIT": split, "FAST": cfg.fast_decode and not interpreted(),
+        "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
+        "num_warps": cfg.num_warps,
+    }  # fmt: skip
     if cfg.path == "gemv":
-        return _run_gemv(x, w, cfg)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
-    if cfg.split_k == 1:
-        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+        _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
+            *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common
+        )
     else:
-        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
-    zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
-    _w4a16_gemm_kernel[(tiles, cfg.split_k)](
-        x, w.qweight, w.scales, zeros, out,
-        m, w.n, w.k, cfg.split_k,
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
-        FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0, SWAP=cfg.swap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
-
-
-def _run_gemv(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
-    m = x.shape[0]
-    if cfg.split_k == 1:
-        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
-    else:
-        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
-    zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
-    _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
-        x, w.qweight, w.scales, zeros, out,
-        m, w.n, w.k, cfg.split_k,
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=cfg.block_n,
-        BLOCK_R=cfg.block_k // PACK, SPLIT=cfg.split_k > 1,
-        FAST=cfg.fast_decode and not interpreted(),
-        EVEN_K=w.k % cfg.block_k == 0, EVEN_N=w.n % cfg.block_n == 0,
-        num_warps=cfg.num_warps, num_stages=1,
-    )  # fmt: skip
-    return out if cfg.split_k == 1 else out.to(torch.bfloat16)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
+        _w4a16_gemm_kernel[(tiles, cfg.split_k)](
+            *args, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
+            num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+    return out.to(torch.bfloat16)  # no copy when unsplit
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}
