@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from accuracy import rel_l2
 from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import _TUNED, _candidates, _m_bucket, w4a16_matmul
@@ -100,7 +101,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         x8 = [x.to(torch.float8_e4m3fn) for x in xs]
         ref = xs[0].float() @ w_ref.T
-        err = ((w4a16_matmul(xs[0], ws[0]).float() - ref).norm() / ref.norm()).item()
+        err = rel_l2(w4a16_matmul(xs[0], ws[0]), ref)
         t_int4 = graph_time_us(lambda i, xs=xs: w4a16_matmul(xs[i % 4], ws[i % sets]), sets)
         t_bf16 = graph_time_us(lambda i, xs=xs: xs[i % 4] @ bf16[i % len(bf16)].T, len(bf16))
         try:
@@ -314,9 +315,9 @@ def bench_moe_shape(
     wts, ids = routings(4, experts, top_k, 1)[0]
     x = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
     ref = fused_moe_reference(x, _slice(w13, ids), _slice(w2, ids), wts, _remap(ids))
-    errs = {"int4": _rel(fused_moe(x, w13, w2, wts, ids), ref)}
+    errs = {"int4": rel_l2(fused_moe(x, w13, w2, wts, ids), ref)}
     if sg:
-        errs["sglang_int4"] = _rel(
+        errs["sglang_int4"] = rel_l2(
             sglang_moe(sglang_kernel, SGLANG_CONFIGS[0], x, *sg, wts, ids, group), ref
         )
     print(f"moe {name}: rel-L2 vs fp32 reference {errs}", flush=True)
@@ -382,10 +383,6 @@ def _remap(ids: torch.Tensor) -> torch.Tensor:
 def _slice(w: W4A16Weight, ids: torch.Tensor) -> W4A16Weight:
     used = ids.unique()
     return W4A16Weight(w.qweight[used], w.scales[used], None, w.group_size)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def _portable(args: list[str]) -> list[str]:
