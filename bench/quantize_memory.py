@@ -40,7 +40,7 @@ CHILD = """
 import io, json, sys, time
 from pathlib import Path
 from tessera.runtime.quantize.convert import convert
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import Options
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():

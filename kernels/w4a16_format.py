@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-PACK = 8  # 4-bit codes per int32 word
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SYMMETRIC_ZERO = 8
+from .w4a16_layout import PACK, SUPPORTED_GROUP_SIZES, SYMMETRIC_ZERO
+
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
 
 _SHIFTS = tuple(4 * i for i in range(PACK))

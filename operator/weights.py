@@ -26,7 +26,7 @@ from tessera.operator.children import (
 from tessera.operator.conditions import FALSE, TRUE, Condition, make_condition
 from tessera.runtime.planner import Architecture
 from tessera.runtime.quantize.job import converter_job
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import Options
 
 Obj = dict[str, Any]
 

@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from tessera.runtime.quantize.convert import convert, size_report
-    from tessera.runtime.quantize.plan import Options
+    from tessera.runtime.quantize.options import Options
 
     try:
         options = Options(tuple(args.targets or DEFAULT_TARGETS), args.group_size)

@@ -23,13 +23,13 @@ from safetensors import safe_open
 from tessera.kernels import w4a16_format
 from tessera.runtime.quantize import fp8
 from tessera.runtime.quantize.checkpoint import INDEX, SINGLE, Checkpoint, read_checkpoint
-from tessera.runtime.quantize.plan import Action, Options, Plan, Step, make_plan, size_by_class
+from tessera.runtime.quantize.options import REOPEN_BYTES, Options
+from tessera.runtime.quantize.plan import Action, Plan, Step, make_plan, size_by_class
 from tessera.runtime.quantize.qconfig import output_config
 from tessera.runtime.quantize.shardio import ShardWriter, file_sha256
 
 MANIFEST = "tessera-quantize.json"
 MANIFEST_VERSION = 1
-REOPEN_BYTES = 256 << 20
 # weights in any format are not copied: the converted shards replace them
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 

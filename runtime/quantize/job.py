@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.runtime.quantize.convert import REOPEN_BYTES
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import REOPEN_BYTES, Options
 
 SOURCE_MOUNT = "/models/source"
 OUTPUT_MOUNT = "/models/int4"

@@ -13,9 +13,9 @@ from enum import Enum
 import torch
 from tessera.kernels import w4a16_format
 from tessera.runtime.quantize.checkpoint import Checkpoint
+from tessera.runtime.quantize.options import Options
 from tessera.runtime.quantize.shardio import TensorSpec
 from tessera.runtime.quantize.tensors import (
-    DEFAULT_TARGETS,
     SCALE_SUFFIX,
     check_selection,
     classify,
@@ -24,18 +24,6 @@ from tessera.runtime.quantize.tensors import (
     module_of,
     parse_targets,
 )
-
-
-@dataclass(frozen=True)
-class Options:
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    group_size: int = 128
-
-    def __post_init__(self) -> None:
-        if self.group_size not in w4a16_format.SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"group size {self.group_size} is not supported; use one of "
-                             f"{w4a16_format.SUPPORTED_GROUP_SIZES}")
-        parse_targets(self.targets)
 
 
 class Action(Enum):

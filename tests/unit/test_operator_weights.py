@@ -20,7 +20,7 @@ from tessera.operator.weights import (
 )
 from tessera.runtime.planner import resolve_architecture
 from tessera.runtime.quantize.job import converter_job
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import Options
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-kimi-k2" / "modeldeployment.yaml"
 NOW = "2026-01-01T00:00:00Z"

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tessera.kernels import w4a16_format
 from tessera.runtime.quantize.checkpoint import INDEX
 from tessera.runtime.quantize.convert import convert, size_report, verify
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import Options
 from tessera.runtime.quantize.synthetic import TINY_CONFIGS, tensor_specs, write_checkpoint
 from tessera.runtime.quantize.tensors import classify
 

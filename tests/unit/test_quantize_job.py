@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tessera.runtime.quantize.convert import REOPEN_BYTES
 from tessera.runtime.quantize.job import (
     BASELINE_BYTES,
     LARGEST_TENSOR_COPIES,
@@ -11,7 +10,7 @@ from tessera.runtime.quantize.job import (
     SOURCE_MOUNT,
     converter_job,
 )
-from tessera.runtime.quantize.plan import Options
+from tessera.runtime.quantize.options import REOPEN_BYTES, Options
 
 from tessera.cli import build_parser
 

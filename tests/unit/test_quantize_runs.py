@@ -12,7 +12,8 @@ import torch
 from tessera.runtime.quantize import convert as convert_module
 from tessera.runtime.quantize.checkpoint import read_checkpoint
 from tessera.runtime.quantize.convert import MANIFEST, convert, verify
-from tessera.runtime.quantize.plan import Action, Options, make_plan
+from tessera.runtime.quantize.options import Options
+from tessera.runtime.quantize.plan import Action, make_plan
 from tessera.runtime.quantize.synthetic import TINY_CONFIGS, write_checkpoint
 
 from tessera.cli import main
