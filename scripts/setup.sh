@@ -10,6 +10,14 @@ PYTHON=${PYTHON:-python3}
 export PYTHONSAFEPATH=1
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --quiet)
 
+# The Mooncake transfer engine's TCP transport (the PD handover tests) needs these two libraries
+# to import, even without RDMA hardware.
+if command -v apt-get >/dev/null && ! dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1; then
+  echo "== debian packages: libibverbs1 librdmacm1"
+  apt-get install -y -q libibverbs1 librdmacm1 >/dev/null \
+    || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 >/dev/null; }
+fi
+
 echo "== python packages: pip install -e '.[test]'"
 "${PIP[@]}" -e '.[test]'
 # SGLang goes in without its GPU-only dependencies; on later runs pip's resolver lists those as
