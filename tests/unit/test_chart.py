@@ -16,7 +16,7 @@ import pytest
 import yaml
 from tessera.operator import constants as c
 
-from tessera.cli import build_parser
+from tessera.cli import parse_args
 from tessera.devcluster.build import Binaries, cache_root
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +197,7 @@ def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _operator_args(container: dict[str, Any]) -> Any:
     assert container["command"][0] == "tessera"
-    return build_parser().parse_args(container["command"][1:] + container["args"])
+    return parse_args(container["command"][1:] + container["args"])
 
 
 def test_deployment_runs_two_replicas_under_one_lease() -> None:

@@ -12,7 +12,7 @@ from tessera.runtime.quantize.job import (
 )
 from tessera.runtime.quantize.options import REOPEN_BYTES, Options
 
-from tessera.cli import build_parser
+from tessera.cli import parse_args
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,7 @@ from tessera.cli import build_parser
 def test_argv_parses_back_to_the_same_options(options: Options) -> None:
     job = converter_job(options, largest_tensor_bytes=2 << 30)
     assert job.argv[:3] == ["tessera", "quantize", "convert"]
-    args = build_parser().parse_args(job.argv[1:])
+    args = parse_args(job.argv[1:])
     assert (str(args.src), str(args.dst)) == (SOURCE_MOUNT, OUTPUT_MOUNT)
     assert Options(tuple(args.targets), args.group_size) == options
     assert args.device == "cpu"
