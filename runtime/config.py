@@ -37,6 +37,8 @@ KVDtype = Literal["bf16", "fp8_e4m3"]
 CheckpointFormat = Literal["safetensors", "compressed-tensors", "awq", "gptq"]
 KernelImpl = Literal["tessera", "sglang"]
 TransferBackend = Literal["mooncake", "nixl"]
+# How the KV moves between the pods: over RDMA devices, or over the pod network by TCP.
+Transport = Literal["rdma", "tcp"]
 RouterPolicy = Literal["cache_aware", "round_robin", "random", "power_of_two"]
 
 # Which checkpoint formats can hold which weight dtype.
@@ -142,11 +144,28 @@ class PortsConfig(_Frozen):
 
 
 class DisaggregationConfig(_Frozen):
-    """Prefill/decode transfer settings; unused by a single-pool phase."""
+    """Prefill/decode transfer settings; unused by a single-pool phase.
+
+    `rdma` says the pod was given RDMA devices (the spec's network.rdma): preflight checks
+    them and the transfer runs over them. Without it the transfer runs over TCP, which
+    works on any cluster. `ib_devices` empty means the transfer engine picks ("auto").
+    """
 
     transfer_backend: TransferBackend = "mooncake"
+    rdma: bool = False
     ib_devices: tuple[str, ...] = ()
+    allow_tcp: bool = False  # RDMA devices missing: start over TCP instead of refusing
     kv_checksum: bool = False  # SGLang's PD checksum; must be the same on both roles
+
+    @model_validator(mode="after")
+    def _devices_need_rdma(self) -> Self:
+        if self.ib_devices and not self.rdma:
+            raise ValueError("disaggregation.ib_devices names RDMA devices: set rdma true too")
+        return self
+
+    @property
+    def declared_transport(self) -> Transport:
+        return "rdma" if self.rdma else "tcp"
 
 
 class IntegrityConfig(_Frozen):

@@ -34,6 +34,7 @@ from tessera.runtime.preflight import (
     PreflightResult,
     installed_engine_version,
     probe_gpus_isolated,
+    probe_rdma,
     read_checkpoint,
     run_preflight,
 )
@@ -43,6 +44,7 @@ from tessera.runtime.sglang_args import (
     NodePlacement,
     router_argv,
     sglang_argv,
+    transfer_env,
 )
 from tessera.runtime.sglang_kernels import kernel_problem
 
@@ -91,7 +93,14 @@ def node_placement(config: RuntimeConfig, env: Mapping[str, str]) -> NodePlaceme
 
 def preflight(config: RuntimeConfig) -> PreflightResult:
     return run_preflight(config, probe_gpus_isolated(), read_checkpoint(config.model.path),
-                         installed_engine_version())
+                         installed_engine_version(), probe_rdma())
+
+
+def engine_env(config: RuntimeConfig, result: PreflightResult) -> dict[str, str]:
+    """What SGLang's process needs beyond ours: the transfer backend's transport."""
+    if result.transport is None:
+        return {}
+    return transfer_env(config.disaggregation, result.transport)
 
 
 def versions() -> dict[str, str]:
@@ -147,9 +156,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         raise Stop(Failure.ENGINE_VERSION, problem)
 
-    argv = [*SGLANG_SERVER, *sglang_argv(config, node_placement(config, os.environ))]
+    argv = [*SGLANG_SERVER, *sglang_argv(config, node_placement(config, os.environ),
+                                         result.transport)]
     log.info("starting SGLang: %s", " ".join(argv))
-    env = {**os.environ, MULTIPROC_ENV: multiproc_dir, ENV_CONFIG: os.path.abspath(path)}
+    env = {**os.environ, **engine_env(config, result),
+           MULTIPROC_ENV: multiproc_dir, ENV_CONFIG: os.path.abspath(path)}
     code = run_engine(argv, env)
     if code != 0:
         write_termination_message(args.termination_log, f"SGLang exited with code {code}")

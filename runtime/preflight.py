@@ -18,7 +18,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from tessera.runtime.config import ENGINE_VERSION, RuntimeConfig
+from tessera.runtime.config import ENGINE_VERSION, RuntimeConfig, Transport
 
 GiB = 1 << 30
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,6 +35,7 @@ class Failure(IntEnum):
     GPU_MEMORY = 14
     MODEL_FILES = 15
     CHECKPOINT_MISMATCH = 16
+    RDMA_DEVICES = 17
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class CheckpointFacts:
 
 
 @dataclass(frozen=True)
+class RdmaFacts:
+    """The RDMA devices this pod can use: the kernel's names for them
+    (/sys/class/infiniband) and the verbs device files a device plugin mounts
+    (/dev/infiniband/uverbs*), without which no device is usable from the container."""
+
+    devices: tuple[str, ...] = ()
+    verbs_files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Problem:
     failure: Failure
     message: str
@@ -66,6 +77,7 @@ class PreflightResult:
     problem: Problem | None
     summary: str  # one line: what passed, or what failed and how to fix it
     gpus: tuple[GpuFacts, ...] = field(default=())
+    transport: Transport | None = None  # how the KV moves (prefill and decode only)
 
     @property
     def passed(self) -> bool:
@@ -198,6 +210,39 @@ def check_engine(installed_version: str | None) -> Problem | None:
                    "use the tessera runtime image built for that version")
 
 
+def choose_transport(config: RuntimeConfig,
+                     rdma: RdmaFacts) -> tuple[Transport | None, Problem | None, str]:
+    """(transport, problem, note): RDMA when the config asks for it and the devices are
+    there; TCP when it does not ask, or when they are missing and TCP is allowed."""
+    if config.phase == "single":
+        return None, None, ""
+    pd = config.disaggregation
+    backend = pd.transfer_backend
+    if not pd.rdma:
+        return "tcp", None, f"KV transfer: {backend} over TCP (no RDMA configured)"
+    wanted = ", ".join(pd.ib_devices) or "auto"
+    missing = [d for d in pd.ib_devices if d not in rdma.devices]
+    if not rdma.devices:
+        why = "no RDMA device in /sys/class/infiniband"
+    elif missing:
+        why = (f"RDMA device(s) {', '.join(missing)} not in /sys/class/infiniband (found "
+               f"{', '.join(rdma.devices)})")
+    elif not rdma.verbs_files:
+        why = (f"RDMA device(s) {', '.join(rdma.devices)} exist but /dev/infiniband has no "
+               "uverbs device files, so the container cannot open them")
+    else:
+        return "rdma", None, (f"KV transfer: {backend} over RDMA "
+                              f"({', '.join(pd.ib_devices or rdma.devices)})")
+    if pd.allow_tcp:
+        return "tcp", None, (f"KV transfer: {backend} over TCP, not RDMA: {why} "
+                             "(allowed by spec.transfer.allowTCP)")
+    return None, Problem(Failure.RDMA_DEVICES,
+                         f"{why}, but this {config.phase} pod is configured for RDMA (devices: "
+                         f"{wanted}): check that network.rdma names the resource "
+                         "the node's RDMA device plugin advertises and network.ibDevices the "
+                         "node's devices, or set spec.transfer.allowTCP to run over TCP"), ""
+
+
 def describe_pass(config: RuntimeConfig, gpus: Sequence[GpuFacts]) -> str:
     used = gpus[: config.parallel.gpus_per_node]
     names = sorted({g.name for g in used})
@@ -214,13 +259,16 @@ def describe_pass(config: RuntimeConfig, gpus: Sequence[GpuFacts]) -> str:
 
 
 def run_preflight(config: RuntimeConfig, gpus: Sequence[GpuFacts], checkpoint: CheckpointFacts,
-                  installed_engine: str | None) -> PreflightResult:
+                  installed_engine: str | None,
+                  rdma: RdmaFacts | None = None) -> PreflightResult:
     """The first problem found, in the order an operator would fix them, or a pass."""
-    problem = (check_engine(installed_engine) or check_gpus(config, gpus)
+    transport, transfer_problem, transfer_note = choose_transport(config, rdma or RdmaFacts())
+    problem = (check_engine(installed_engine) or check_gpus(config, gpus) or transfer_problem
                or check_checkpoint(config, checkpoint))
     if problem is not None:
         return PreflightResult(problem, f"preflight failed: {problem.message}", tuple(gpus))
-    return PreflightResult(None, describe_pass(config, gpus), tuple(gpus))
+    summary = describe_pass(config, gpus) + (f"; {transfer_note}" if transfer_note else "")
+    return PreflightResult(None, summary, tuple(gpus), transport)
 
 
 # --- Adapters: gather the facts in the pod. ---
@@ -267,6 +315,18 @@ def read_checkpoint(path: str) -> CheckpointFacts:
             missing = (f"{INDEX_FILE} itself (unreadable)",)
     return CheckpointFacts(path=path, is_dir=True, config=config,
                            weight_files=weight_files, missing_shards=missing)
+
+
+def probe_rdma(sys_root: Path = Path("/sys/class/infiniband"),
+               dev_root: Path = Path("/dev/infiniband")) -> RdmaFacts:
+    """The RDMA devices visible in this pod (roots injectable for tests)."""
+    def names(root: Path, prefix: str = "") -> tuple[str, ...]:
+        try:
+            return tuple(sorted(p.name for p in root.iterdir() if p.name.startswith(prefix)))
+        except OSError:  # absent: no RDMA stack or nothing mounted
+            return ()
+
+    return RdmaFacts(devices=names(sys_root), verbs_files=names(dev_root, "uverbs"))
 
 
 def installed_engine_version() -> str | None:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from tessera.runtime.config import ENGINE_VERSION, ConfigError, RouterConfig, RuntimeConfig
+from tessera.runtime.config import (
+    ENGINE_VERSION,
+    ConfigError,
+    DisaggregationConfig,
+    RouterConfig,
+    RuntimeConfig,
+    Transport,
+)
 
 # (weights dtype, checkpoint format) -> SGLang --quantization; None: unquantized BF16.
 # INT4 loads through the Marlin-backed methods, which SGLang uses on Hopper for W4A16.
@@ -34,8 +41,10 @@ class NodePlacement:
     dist_init_addr: str  # host:port of rank 0
 
 
-def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None) -> list[str]:
-    """The arguments for `python -m sglang.launch_server` that serve `config`."""
+def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None,
+                transport: Transport | None = None) -> list[str]:
+    """The arguments for `python -m sglang.launch_server` that serve `config`; `transport`
+    is the one preflight chose (default: the config's own), RDMA devices only with rdma."""
     if config.engine_version != ENGINE_VERSION:
         raise ConfigError(
             f"engine_version {config.engine_version} is not supported: this runtime emits "
@@ -75,7 +84,7 @@ def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None) -> lis
             "--disaggregation-transfer-backend", pd.transfer_backend,
             "--disaggregation-bootstrap-port", str(config.ports.bootstrap),
         ]
-        if pd.ib_devices:
+        if pd.ib_devices and (transport or pd.declared_transport) == "rdma":
             argv += ["--disaggregation-ib-device", ",".join(pd.ib_devices)]
         if pd.kv_checksum:
             argv.append("--disaggregation-enable-kv-checksum")
@@ -90,6 +99,25 @@ def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None) -> lis
         argv += ["--nnodes", str(par.nnodes), "--node-rank", str(node.rank),
                  "--dist-init-addr", node.dist_init_addr]
     return argv
+
+
+# The transport, said explicitly in the variables each backend reads, so a pod never quietly
+# falls back to TCP when RDMA was asked for (nor tries RDMA when it was not). SGLang 0.5.23
+# passes MOONCAKE_PROTOCOL to Mooncake's TransferEngine.initialize; MC_FORCE_TCP=1 makes
+# Mooncake install its TCP transport and SGLang skip choosing RDMA devices. NIXL's UCX backend
+# (SGLang's default SGLANG_DISAGGREGATION_NIXL_BACKEND) takes its transports from UCX_TLS:
+# reliable-connected verbs with CUDA memory support for RDMA; TCP staged through host copies.
+TRANSFER_ENV: dict[tuple[str, str], dict[str, str]] = {
+    ("mooncake", "rdma"): {"MOONCAKE_PROTOCOL": "rdma"},
+    ("mooncake", "tcp"): {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"},
+    ("nixl", "rdma"): {"UCX_TLS": "rc,cuda_copy,cuda_ipc"},
+    ("nixl", "tcp"): {"UCX_TLS": "tcp,cuda_copy"},
+}
+
+
+def transfer_env(pd: DisaggregationConfig, transport: Transport) -> dict[str, str]:
+    """The environment SGLang's transfer backend needs for `transport`."""
+    return dict(TRANSFER_ENV[(pd.transfer_backend, transport)])
 
 
 def _selector(labels: dict[str, str]) -> list[str]:

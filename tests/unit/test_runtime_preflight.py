@@ -95,7 +95,8 @@ def test_h200_with_matching_checkpoint_passes(int4_ckpt):
     assert result.summary == (
         "preflight passed: decode, weights int4 (compressed-tensors), KV fp8_e4m3; "
         "8 x NVIDIA H200, compute capability 9.0, free 139.0-139.0 of 139.8 GiB per GPU, "
-        "plan needs 110.0 GiB; checkpoint matches")
+        "plan needs 110.0 GiB; checkpoint matches; KV transfer: mooncake over TCP (no RDMA "
+        "configured)")
 
 
 def test_tessera_kernels_pass_on_hopper(int4_ckpt):

@@ -101,7 +101,7 @@ def test_disaggregation_extras_and_remote_code():
     config = make_config(
         "decode", ("int4", "compressed-tensors"), "fp8_e4m3",
         model=ModelConfig(name="kimi", path="/models/kimi", trust_remote_code=True),
-        disaggregation=DisaggregationConfig(transfer_backend="nixl",
+        disaggregation=DisaggregationConfig(transfer_backend="nixl", rdma=True,
                                             ib_devices=("mlx5_0", "mlx5_1"), kv_checksum=True),
         memory=MemoryConfig(),
     )
@@ -111,6 +111,8 @@ def test_disaggregation_extras_and_remote_code():
     assert parsed.disaggregation_ib_device == "mlx5_0,mlx5_1"
     assert parsed.disaggregation_enable_kv_checksum is True
     assert parsed.mem_fraction_static is None  # SGLang sizes it itself
+    # Preflight fell back to TCP (spec.transfer.allowTCP): no RDMA devices on the command line.
+    assert parse(sglang_argv(config, transport="tcp")).disaggregation_ib_device is None
 
 
 @pytest.mark.parametrize("impl, backend", [("sglang", None), ("tessera", "triton")])
