@@ -1,14 +1,15 @@
 """Desired child objects of one ModelDeployment, as plain dicts (pure; no API calls).
 
-Per phase (prefill and decode, or single): a ConfigMap with the runtime config, a Deployment of
-engine pods, a headless Service for bootstrap and discovery, a PodDisruptionBudget. Once: the
+Per phase (prefill and decode, or single): a ConfigMap with the runtime config, the engine
+workload, a headless Service for bootstrap and discovery, a PodDisruptionBudget. Once: the
 router (a ServiceAccount allowed to discover pods, its Role and RoleBinding, a Deployment, a
 Service, a PodDisruptionBudget). Every child carries the deployment's labels and an owner
 reference, so deleting the ModelDeployment garbage-collects all of them.
 
-One Deployment per phase means one pod per replica: tensor parallel stays inside a node
-(tensorParallel <= nodePool.gpu.perNode). A replica spanning nodes needs a leader/worker shape
-and is refused by the CRD (CEL) until it exists (docs/operator.md).
+The engine workload is a Deployment (one pod per replica) while a replica's GPUs fit one node
+(tensorParallel <= nodePool.gpu.perNode), else a LeaderWorkerSet: one group of pods per
+replica, one pod per node, restarted and rolled as a group; only each group's leader is an
+endpoint (docs/operator.md).
 """
 
 from __future__ import annotations
@@ -109,8 +110,51 @@ def _http_probe(path: str, period: int, failures: int) -> Obj:
             "failureThreshold": failures, "timeoutSeconds": 5}
 
 
-def gpus_per_pod(phase_spec: Mapping[str, Any]) -> int:
-    return int(phase_spec.get("tensorParallel", 8))
+DEFAULT_GPUS_PER_NODE = 8  # the CRD's default nodePool.gpu.perNode
+
+
+def gpus_per_node(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("nodePool", {}).get("gpu", {}).get("perNode", DEFAULT_GPUS_PER_NODE))
+
+
+def gpus_per_pod(phase_spec: Mapping[str, Any], per_node: int = DEFAULT_GPUS_PER_NODE) -> int:
+    """A replica's GPUs, or one node's when the replica spans nodes (one pod per node)."""
+    return min(int(phase_spec.get("tensorParallel", 8)), per_node)
+
+
+def nodes_per_replica(spec: Mapping[str, Any], phase: str) -> int:
+    """How many nodes one replica of `phase` spans (the CRD admits only whole nodes)."""
+    per_node = gpus_per_node(spec)
+    return max(1, int(spec[phase].get("tensorParallel", 8)) // per_node)
+
+
+def workload_kind(spec: Mapping[str, Any], phase: str) -> str:
+    """The kind of a phase's engine workload: a LeaderWorkerSet when a replica spans nodes."""
+    return c.LWS_KIND if nodes_per_replica(spec, phase) > 1 else "Deployment"
+
+
+def endpoint_selector(spec: Mapping[str, Any], name: str, phase: str) -> dict[str, str]:
+    """The pods of `phase` that serve requests: every pod, or each group's leader (the other
+    pods of a group run its remaining ranks and serve nothing)."""
+    labels = selector_labels(name, phase)
+    if nodes_per_replica(spec, phase) > 1:
+        labels[c.LWS_LABEL_WORKER_INDEX] = c.LWS_LEADER_INDEX
+    return labels
+
+
+def phase_network(phase_spec: Mapping[str, Any]) -> tuple[Obj, Obj, Obj, Obj]:
+    """A phase's KV-transfer network as pod parts: (extra resources per pod, container
+    security context, pod annotations, pod spec fields). All empty without `network`."""
+    network = phase_spec.get("network", {})
+    rdma = network.get("rdma")
+    resources = {rdma["resource"]: str(rdma.get("count", 1))} if rdma else {}
+    security = {"capabilities": {"add": [c.CAPABILITY_IPC_LOCK]}} if rdma else {}
+    annotations = ({c.ANNOTATION_NETWORKS: ",".join(network["attachments"])}
+                   if network.get("attachments") else {})
+    # In the node's namespace the pod must still resolve cluster names (bootstrap, router).
+    host = ({"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+            if network.get("hostNetwork") else {})
+    return resources, security, annotations, host
 
 
 def config_map(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
@@ -119,28 +163,46 @@ def config_map(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
             "data": {c.CONFIG_KEY: config_text}}
 
 
-def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+def _group_env() -> list[Obj]:
+    """A group pod's rank and its leader's rendezvous address, from what LWS injects."""
+    return [{"name": c.ENV_NODE_RANK, "value": f"$({c.LWS_ENV_WORKER_INDEX})"},
+            {"name": c.ENV_DIST_INIT_ADDR,
+             "value": f"$({c.LWS_ENV_LEADER_ADDRESS}):{c.PORT_DIST_INIT}"}]
+
+
+def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    """The engine pod of `phase`: the same for a Deployment's pods and for every pod of a
+    LeaderWorkerSet group (leader and workers run the same runtime config; only their rank
+    differs, and LWS provides it)."""
     spec, name = md["spec"], md["metadata"]["name"]
     phase_spec = spec[phase]
-    gpus = str(gpus_per_pod(phase_spec))
+    multi_node = nodes_per_replica(spec, phase) > 1
+    gpus = str(gpus_per_pod(phase_spec, gpus_per_node(spec)))
     models_volume = _models_volume(phase_spec["weights"]["uri"])
     uri_is_pvc = models_volume is not None and "persistentVolumeClaim" in models_volume
     labels = selector_labels(name, phase)
     # The runtime config is mounted, not part of the template: its hash in the template is what
     # rolls this phase's pods (and only this phase's) when its config changes.
     annotations = {c.ANNOTATION_PHASE_HASH: stable_hash(config_text)}
+    rdma_resources, security, network_annotations, host_network = phase_network(phase_spec)
+    annotations.update(network_annotations)
+    resources = {c.GPU_RESOURCE: gpus, **rdma_resources}
     ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"},
              {"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}]
     if phase == c.PREFILL:
         annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.PORT_BOOTSTRAP)
         ports.append({"name": "bootstrap", "containerPort": c.PORT_BOOTSTRAP, "protocol": "TCP"})
+    if multi_node:
+        ports.append({"name": "dist-init", "containerPort": c.PORT_DIST_INIT, "protocol": "TCP"})
     container = {
         "name": "engine",
         "image": spec["engine"]["image"],
         "command": list(c.RUNTIME_ENGINE),
-        "env": _runtime_env(),
+        "env": _runtime_env() + (_group_env() if multi_node else []),
         "ports": ports,
-        "resources": {"requests": {c.GPU_RESOURCE: gpus}, "limits": {c.GPU_RESOURCE: gpus}},
+        # Extended resources (GPUs, RDMA devices) need requests equal to limits.
+        "resources": {"requests": resources, "limits": dict(resources)},
+        **({"securityContext": security} if security else {}),
         # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can
         # take half an hour, which the startup probe allows before liveness applies.
         "startupProbe": _http_probe("/health", 10, 180),
@@ -154,6 +216,7 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
     }
     pod_spec = {
         **phase_scheduling(spec, phase),
+        **host_network,
         "serviceAccountName": child_name(name, c.ENGINE),
         "containers": [container],
         "volumes": [
@@ -164,23 +227,56 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
             *([models_volume] if models_volume else []),
         ],
     }
+    return {"metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                         "annotations": annotations},
+            "spec": pod_spec}
+
+
+def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    name = md["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": owned_metadata(md, child_name(name, phase), phase),
         "spec": {
-            "replicas": int(phase_spec.get("replicas", 1)),
-            "selector": {"matchLabels": labels},
+            "replicas": int(md["spec"][phase].get("replicas", 1)),
+            "selector": {"matchLabels": selector_labels(name, phase)},
             # Never two copies of a replica's GPUs at once: roll by replacing, one at a time.
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": {
-                "metadata": {"labels": {**labels, c.LABEL_MANAGED_BY: c.MANAGED_BY},
-                             "annotations": annotations},
-                "spec": pod_spec,
+            "template": engine_pod_template(md, phase, config_text),
+        },
+    }
+
+
+def engine_group_set(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    """A LeaderWorkerSet: one group of `nodes_per_replica` pods per replica."""
+    spec, name = md["spec"], md["metadata"]["name"]
+    return {
+        "apiVersion": c.LWS_API_VERSION,
+        "kind": c.LWS_KIND,
+        "metadata": owned_metadata(md, child_name(name, phase), phase),
+        "spec": {
+            "replicas": int(spec[phase].get("replicas", 1)),
+            # Workers start with their leader; SGLang's ranks wait for each other anyway.
+            "startupPolicy": "LeaderCreated",
+            # As for a Deployment: one group down at a time, never a surplus group's GPUs.
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+                "maxUnavailable": 1, "maxSurge": 0}},
+            "leaderWorkerTemplate": {
+                "size": nodes_per_replica(spec, phase),
+                # One rank lost stalls the whole replica's collectives: restart them together.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": engine_pod_template(md, phase, config_text),
             },
         },
     }
+
+
+def engine_workload(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+    if workload_kind(md["spec"], phase) == c.LWS_KIND:
+        return engine_group_set(md, phase, config_text)
+    return engine_deployment(md, phase, config_text)
 
 
 def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
@@ -194,7 +290,8 @@ def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": owned_metadata(md, child_name(name, phase), phase),
-        "spec": {"clusterIP": "None", "selector": selector_labels(name, phase), "ports": ports},
+        "spec": {"clusterIP": "None", "selector": endpoint_selector(md["spec"], name, phase),
+                 "ports": ports},
     }
 
 
@@ -304,7 +401,7 @@ def desired_children(md: Mapping[str, Any], configs: Mapping[str, str],
     children: list[Obj] = engine_identity(md)
     for phase in phases_of(md["spec"]):
         children += [config_map(md, phase, configs[phase]),
-                     engine_deployment(md, phase, configs[phase]),
+                     engine_workload(md, phase, configs[phase]),
                      engine_service(md, phase),
                      disruption_budget(md, phase)]
     children += router_children(md, configs[c.ROUTER])

@@ -36,12 +36,33 @@ ANNOTATION_PHASE_HASH = f"{API_GROUP}/phase-hash"
 ANNOTATION_DESIRED_HASH = f"{API_GROUP}/desired-hash"
 # The SGLang router reads a prefill pod's bootstrap port from this pod annotation.
 ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
+# Multus reads a pod's secondary networks (NetworkAttachmentDefinitions) from this annotation.
+ANNOTATION_NETWORKS = "k8s.v1.cni.cncf.io/networks"
+# The one capability an engine pod adds, and only with RDMA: registering memory with the NIC
+# locks pages (outside Pod Security `baseline`, so the namespace needs `privileged`).
+CAPABILITY_IPC_LOCK = "IPC_LOCK"
+# network.ibDevices: [auto] lets the transfer engine pick the pod's RDMA devices.
+IB_DEVICES_AUTO = "auto"
+
+# LeaderWorkerSet (sigs.k8s.io/lws): the child of a phase whose replica spans nodes.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+# LWS labels every pod of a group with its index in the group; the leader is "0".
+LWS_LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_LEADER_INDEX = "0"
+# LWS's pod webhook puts these into every container (first in env, so later entries may
+# refer to them as $(NAME)): the leader's DNS name and this pod's index in its group.
+LWS_ENV_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_ENV_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 # Env keys the runtime reads (the downward API fills the POD_* ones).
 ENV_POD_NAME = runtime_config.ENV_POD_NAME
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_POD_UID = "POD_UID"
 ENV_RUNTIME_CONFIG = runtime_config.ENV_CONFIG
+ENV_NODE_RANK = runtime_config.ENV_NODE_RANK
+ENV_DIST_INIT_ADDR = runtime_config.ENV_DIST_INIT_ADDR
 # `tessera-runtime` subcommands of engine and router pods.
 RUNTIME_ENGINE = ["tessera-runtime", "serve"]
 RUNTIME_ROUTER = ["tessera-runtime", "router"]
@@ -54,6 +75,8 @@ MODELS_DIR = "/models"
 PORT_HTTP = runtime_config.PortsConfig().http
 PORT_BOOTSTRAP = runtime_config.PortsConfig().bootstrap
 PORT_METRICS = runtime_config.PortsConfig().metrics
+# Where a multi-node replica's leader hosts torch.distributed's rendezvous (--dist-init-addr).
+PORT_DIST_INIT = 20000
 PORT_ROUTER_METRICS = runtime_config.RouterConfig.model_fields["metrics_port"].default
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -80,6 +103,8 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
     ("", "serviceaccounts", ("get", "list", "watch", "create", "patch", "delete")),
     ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
+    # A phase whose replica spans nodes (children.engine_workload).
+    ("leaderworkerset.x-k8s.io", LWS_PLURAL, ("get", "list", "watch", "create", "patch", "delete")),
     # The weight conversion Job (weights.convertFrom).
     ("batch", "jobs", ("get", "list", "watch", "create", "patch", "delete")),
     ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
@@ -88,7 +113,8 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("get", "list", "watch", "create", "patch", "delete")),
     # Read by the operator for KVIntegrity; written for condition-change events.
     ("", "events", ("get", "list", "watch", "create")),
-    # Granted onward to the router's ServiceAccount (worker discovery), so held here too.
+    # Watched for why pods do not run (unschedulable, engine exits: refusals.py), and
+    # granted onward to the router's ServiceAccount (worker discovery).
     ("", "pods", ("get", "list", "watch")),
     # kopf: CRD discovery and namespace watching.
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),

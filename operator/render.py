@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tessera.operator import constants as c
-from tessera.operator.children import phases_of, selector_labels
+from tessera.operator.children import endpoint_selector, nodes_per_replica, phases_of
 from tessera.runtime.config import (
     FORMATS_FOR_DTYPE,
     DisaggregationConfig,
@@ -63,7 +63,8 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
                                page_size=planned.spec.page_size),
         parallel=ParallelConfig(tensor=planned.spec.tensor_parallel,
                                 expert=planned.spec.expert_parallel,
-                                attention_data=planned.spec.attention_data_parallel),
+                                attention_data=planned.spec.attention_data_parallel,
+                                nnodes=nodes_per_replica(spec, phase)),
         memory=MemoryConfig(mem_fraction_static=planned.mem_fraction_static,
                             planned_weights_bytes_per_gpu=planned.weights_bytes_per_gpu,
                             planned_kv_pool_bytes_per_gpu=planned.kv_pool_bytes_per_gpu),
@@ -73,8 +74,24 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         kernels=KernelsConfig(decode_attention=kernels.get("decodeAttention", "sglang"),
                               w4a16=kernels.get("w4a16", "sglang")),
         integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
-        disaggregation=DisaggregationConfig(kv_checksum=integrity and phase != c.SINGLE),
+        disaggregation=disaggregation_config(spec, phase, integrity),
     )
+
+
+def disaggregation_config(spec: Mapping[str, Any], phase: str,
+                          integrity: bool) -> DisaggregationConfig:
+    """The phase's end of the KV transfer: the pool-wide backend and TCP switch, the phase's
+    own RDMA devices. A single pool transfers nothing."""
+    if phase == c.SINGLE:
+        return DisaggregationConfig()
+    transfer, network = spec.get("transfer", {}), spec[phase].get("network", {})
+    devices = network.get("ibDevices", [c.IB_DEVICES_AUTO])
+    return DisaggregationConfig(
+        transfer_backend=transfer.get("backend", "mooncake"),
+        rdma="rdma" in network,
+        ib_devices=() if devices == [c.IB_DEVICES_AUTO] else tuple(devices),
+        allow_tcp=bool(transfer.get("allowTCP", False)),
+        kv_checksum=integrity)
 
 
 def router_config(md: Mapping[str, Any]) -> RouterConfig:
@@ -84,9 +101,9 @@ def router_config(md: Mapping[str, Any]) -> RouterConfig:
     single = c.SINGLE in spec
     discovery = Discovery(
         namespace=meta["namespace"], port=c.PORT_HTTP,
-        **({"single_selector": selector_labels(name, c.SINGLE)} if single else
-           {"prefill_selector": selector_labels(name, c.PREFILL),
-            "decode_selector": selector_labels(name, c.DECODE)}))
+        **({"single_selector": endpoint_selector(spec, name, c.SINGLE)} if single else
+           {"prefill_selector": endpoint_selector(spec, name, c.PREFILL),
+            "decode_selector": endpoint_selector(spec, name, c.DECODE)}))
     return RouterConfig(deployment=name, namespace=meta["namespace"],
                         mode="single" if single else "disaggregated",
                         port=int(router.get("port", 8000)),
