@@ -1,4 +1,6 @@
 """kopf wiring: watch events feed the Store and trigger a reconcile of the owning deployment.
+Watched: the ModelDeployments, their children, the children's pods, and the runtime's
+KVIntegrityMismatch events.
 
 Only raw watch events are used (no create/update handlers), so kopf keeps no state on our
 objects: no annotations, no finalizers, nothing written but what the reconciler decides.
@@ -38,6 +40,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     listings = [(api_version, kind, plural, f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")
                 for (api_version, kind), plural in CHILD_KINDS.items()]
     listings.append(("v1", "Event", "events", c.LABEL_DEPLOYMENT))
+    listings.append(("v1", "Pod", "pods", f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"))
     for listing in listings:
         for obj in await asyncio.to_thread(kube.list_labelled, *listing):
             if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
@@ -92,6 +95,13 @@ for (_api_version, _kind), _plural in CHILD_KINDS.items():
     kopf.on.event(_group, _version, _plural, id=f"child-{_plural}",
                   labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_DEPLOYMENT: kopf.PRESENT},
                   )(_on_child)
+
+
+# The children's pods: read, never written, for what the scheduler and the engines say
+# (refusals.pod_refusals).
+kopf.on.event("", "v1", "pods", id="pods",
+              labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_DEPLOYMENT: kopf.PRESENT},
+              )(_on_child)
 
 
 def _is_mismatch(body: kopf.Body, **_: Any) -> bool:

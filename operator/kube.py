@@ -11,6 +11,7 @@ from typing import Any
 
 import kubernetes
 from tessera.operator import constants as c
+from tessera.operator.refusals import RejectedError, Rejection, api_message, is_refusal
 
 Obj = dict[str, Any]
 
@@ -67,10 +68,18 @@ class Kube:
         return self._client.response_deserialize(response, {"2XX": "object"}).data
 
     def apply(self, obj: Obj) -> Obj:
-        """Server-side apply under the one field manager; forced, so our fields win back."""
-        return self.request("PATCH", _path(obj), obj,
-                          [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
-                          "application/apply-patch+yaml")
+        """Server-side apply under the one field manager; forced, so our fields win back.
+        Raises RejectedError, quoting the API server, when it refuses the object."""
+        try:
+            return self.request("PATCH", _path(obj), obj,
+                                [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
+                                "application/apply-patch+yaml")
+        except kubernetes.client.ApiException as e:
+            if e.status is None or not is_refusal(e.status):
+                raise
+            said = api_message(e.body, str(e.reason))
+            rejection = Rejection(obj["kind"], obj["metadata"]["name"], e.status, said)
+            raise RejectedError(rejection) from None
 
     def delete(self, obj: Obj) -> None:
         try:

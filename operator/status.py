@@ -20,6 +20,7 @@ from tessera.operator.conditions import (
     make_condition,
     merge_conditions,
 )
+from tessera.operator.refusals import Refusal, first_reason
 from tessera.operator.weights import Conversion, weights_condition
 from tessera.runtime.planner import DeploymentPlan, PlanError
 
@@ -35,10 +36,13 @@ class Workload:
     ready: int
     updated: int
     synced: bool  # the Deployment controller has seen the latest spec
-    failure: str  # a Deployment condition's message when it reports a failure, else ""
+    failure: str  # the Deployment's ProgressDeadlineExceeded message, else ""
     # The Deployment says its newest ReplicaSet has become available (rollout done); after
     # that, a replica short of ready is a loss, not a pod still starting.
     settled: bool = True
+    # The Deployment's ReplicaFailure message: the API server would not create its pods
+    # (quota, Pod Security); refusals.creation_refusal reads it.
+    replica_failure: str = ""
 
     @property
     def complete(self) -> bool:
@@ -55,18 +59,21 @@ def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
     if deployment is None:
         return None
     spec, st = deployment.get("spec", {}), deployment.get("status", {})
-    failures = [cond.get("message", "") for cond in st.get("conditions", [])
-                if (cond.get("type") == "ReplicaFailure" and cond.get("status") == TRUE)
-                or cond.get("reason") == "ProgressDeadlineExceeded"]
+    conditions = st.get("conditions", [])
+    stalled = [cond.get("message", "") for cond in conditions
+               if cond.get("reason") == "ProgressDeadlineExceeded"]
+    refused = [cond.get("message", "") for cond in conditions
+               if cond.get("type") == "ReplicaFailure" and cond.get("status") == TRUE]
     return Workload(
         desired=int(spec.get("replicas", 1)),
         current=int(st.get("replicas", 0)),
         ready=int(st.get("readyReplicas", 0)),
         updated=int(st.get("updatedReplicas", 0)),
         synced=st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0),
-        failure="; ".join(failures),
+        failure="; ".join(stalled),
         settled=any(cond.get("type") == "Progressing" and cond.get("reason") ==
-                    "NewReplicaSetAvailable" for cond in st.get("conditions", [])),
+                    "NewReplicaSetAvailable" for cond in conditions),
+        replica_failure="; ".join(refused),
     )
 
 
@@ -87,10 +94,12 @@ def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,
 
 
 def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
-                       generation: int, waiting: Mapping[str, str] | None = None
-                       ) -> list[Condition]:
+                       generation: int, waiting: Mapping[str, str] | None = None,
+                       refusals: Sequence[Refusal] = ()) -> list[Condition]:
     """Ready, Progressing and Degraded from each component's workload (None: not there yet);
-    `waiting` says why a component not there yet is held back (its weights)."""
+    `waiting` says why a component not there yet is held back (its weights); `refusals` say
+    what the cluster or the engine refused: Degraded lists them all, Ready quotes each
+    not-ready component's own, and both take the reason of the most fundamental one."""
     if not planned:
         why = "the spec was not admitted (see PrecisionValid and CapacityPlanned)"
         return [make_condition(c.READY, FALSE, "NotAdmitted", why, generation),
@@ -98,18 +107,28 @@ def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
                 make_condition(c.DEGRADED, FALSE, "NotAdmitted", why, generation)]
     missing = [name for name, w in workloads.items() if w is None]
     present = {name: w for name, w in workloads.items() if w is not None}
-    unready = [f"{name} {w.ready}/{w.desired} ready" for name, w in present.items()
+    unready = [(name, f"{name} {w.ready}/{w.desired} ready") for name, w in present.items()
                if not w.complete]
     rolling = [name for name, w in present.items() if w.rolling]
     failing = [f"{name}: {w.failure}" for name, w in present.items() if w.failure]
     # Replicas lost outside a rollout (a crashed or evicted pod, a node gone).
-    short = [f"{name} {w.ready}/{w.desired} ready" for name, w in present.items()
-             if not w.rolling and w.ready < w.desired]
+    short = [name for name, w in present.items() if not w.rolling and w.ready < w.desired]
 
     waiting = waiting or {}
-    not_ready = [f"{name} waits for its weights: {waiting[name]}" if name in waiting
-                 else f"{name} not created" for name in missing] + unready
-    ready = (make_condition(c.READY, FALSE, "ComponentsNotReady", "; ".join(not_ready), generation)
+    said: dict[str, list[str]] = {}
+    for refusal in refusals:
+        said.setdefault(refusal.component, []).append(refusal.message)
+
+    def why(name: str, text: str) -> str:
+        return f"{text}: {'; '.join(said[name])}" if name in said else text
+
+    not_ready = [*said.get("", []),
+                 *(why(name, f"{name} waits for its weights: {waiting[name]}" if name in waiting
+                       else f"{name} not created") for name in missing),
+                 *(why(name, text) for name, text in unready)]
+    reason = first_reason(refusals) if refusals else None
+    ready = (make_condition(c.READY, FALSE, reason or "ComponentsNotReady", "; ".join(not_ready),
+                            generation)
              if not_ready else
              make_condition(c.READY, TRUE, "AllReady",
                             "all phases and the router are ready", generation))
@@ -119,9 +138,17 @@ def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
         if missing or rolling else
         make_condition(c.PROGRESSING, FALSE, "RolloutComplete", "every component is up to date",
                        generation))
-    degraded = (make_condition(c.DEGRADED, TRUE, "ReplicasUnavailable",
-                               "; ".join(failing + short), generation)
-                if failing or short else
+    def counted(name: str) -> str:
+        w = present.get(name)
+        return f"{name} {w.ready}/{w.desired} ready" if w else name
+
+    problems = [*said.get("", []),
+                *(f"{counted(name)}: {'; '.join(said[name])}" for name in workloads
+                  if name in said),
+                *failing, *(counted(name) for name in short if name not in said)]
+    degraded = (make_condition(c.DEGRADED, TRUE, reason or "ReplicasUnavailable",
+                               "; ".join(problems), generation)
+                if problems else
                 make_condition(c.DEGRADED, FALSE, "AsExpected", "no replica is missing",
                                generation))
     return [ready, progressing, degraded]
@@ -165,19 +192,21 @@ def _phase_status(phase_spec: Mapping[str, Any], workload: Workload | None,
 def build_status(md: Mapping[str, Any], plan: DeploymentPlan | None, error: PlanError | None,
                  workloads: Mapping[str, Workload | None],
                  mismatch_events: Sequence[Mapping[str, Any]],
-                 now: str, conversion: Conversion | None = None) -> tuple[Obj, list[Condition]]:
+                 now: str, conversion: Conversion | None = None,
+                 refusals: Sequence[Refusal] = ()) -> tuple[Obj, list[Condition]]:
     """The whole new status, and the conditions that changed since the old one.
 
     `workloads` maps each phase and "router" to its observed Deployment (None: absent);
     `plan` is None when the planner could not read the spec (then `error` says why);
-    `conversion` is the weight conversion Job of a spec that asks for one (WeightsReady).
+    `conversion` is the weight conversion Job of a spec that asks for one (WeightsReady);
+    `refusals` are what the cluster or the engine refused (refusals.py).
     """
     spec, generation = md["spec"], md["metadata"].get("generation", 1)
     old = md.get("status") or {}
     admitted = plan is not None and plan.ok
     waiting = ({conversion.phase: conversion.message}
                if conversion is not None and not conversion.ready else {})
-    conditions = [*rollout_conditions(workloads, admitted, generation, waiting),
+    conditions = [*rollout_conditions(workloads, admitted, generation, waiting, refusals),
                   *plan_conditions(plan, error, generation),
                   kv_integrity_condition(spec.get("integrity", {}).get("enabled", False),
                                          mismatch_events, generation)]

@@ -33,6 +33,7 @@ from tessera.devcluster.build import Binaries
 from tessera.devcluster.nodes import DEFAULT_POOLS, NodePool, node_manifests
 
 STATE_FILE = "cluster.json"
+from tessera.devcluster.stages import kwok_config
 SERVICE_CIDR = "10.0.0.0/24"
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 10.0
@@ -322,8 +323,9 @@ class DevCluster:
         nodes = node_manifests(self.pools)  # validates the pools before anything starts
         pki = certs.generate(layout.pki)
         layout.audit_policy.write_text(yaml.safe_dump(AUDIT_POLICY))
-        # kwok reads ~/.kwok/kwok.yaml unless told otherwise: an empty config keeps it isolated.
-        (layout.root / "kwok.yaml").write_text("")
+        # kwok reads ~/.kwok/kwok.yaml unless told otherwise: our own config keeps it
+        # isolated, and holds the pod stages (stages.py).
+        (layout.root / "kwok.yaml").write_text(kwok_config())
 
         etcd_port = 0
 
