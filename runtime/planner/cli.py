@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tessera.runtime.planner.plan import (
     compare_precisions,
     plan_deployment,
 )
+from tessera.runtime.planner.transfer import TransferPlan, plan_transfers, transfer_prompts
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
         name, spec = load_spec(args.file)
         plan = plan_deployment(spec)
         variants = compare_precisions(spec)
+        transfers = plan_transfers(spec, plan.architecture)
     except PlanError as e:
         print(f"tessera plan: {args.file}: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(plan, variants), indent=2))
+        print(json.dumps(plan_json(plan, variants, transfers), indent=2))
     else:
-        print(render(name, spec, plan, variants))
+        print(render(name, spec, plan, variants, transfers))
     return 0 if plan.ok else 1
 
 
@@ -64,8 +67,11 @@ def load_spec(path: Path) -> tuple[str, dict[str, Any]]:
     return str((doc.get("metadata") or {}).get("name", "?")), doc["spec"]
 
 
-def plan_json(plan: DeploymentPlan, variants: dict[str, list[PhasePlan]]) -> dict[str, Any]:
+def plan_json(plan: DeploymentPlan, variants: dict[str, list[PhasePlan]],
+              transfers: Sequence[TransferPlan] = ()) -> dict[str, Any]:
+    prompts = transfer_prompts(plan.context_length)
     return {
+        "transfer": [t.to_dict(prompts) for t in transfers],
         "ok": plan.ok,
         "status": plan.to_status(),
         "conditions": [vars(plan.condition(c)) for c in (PRECISION, CAPACITY)],
@@ -87,7 +93,8 @@ _ROWS: tuple[tuple[str, Any], ...] = (
 
 
 def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
-           variants: dict[str, list[PhasePlan]]) -> str:
+           variants: dict[str, list[PhasePlan]],
+           transfers: Sequence[TransferPlan] = ()) -> str:
     arch = spec["model"]["architecture"]
     gpu = (spec.get("nodePool") or {}).get("gpu") or {}
     lines = [f"{name}: {arch.get('preset') or 'custom architecture'}, context "
@@ -104,13 +111,9 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
         if plan.context_length not in TABLE_CONTEXTS:
             rows.append((f"requests @ {plan.context_length:,}",
                          [f"{p.max_concurrent_requests:,}" for p in plans]))
-        width = max(len(label) for label, _ in rows)
-        cols = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(headers)]
-        lines.append(" " * width + "".join(f"  {h:>{w}}" for h, w in zip(headers, cols,
-                                                                           strict=True)))
-        lines += [f"{label:<{width}}" + "".join(f"  {v:>{w}}" for v, w in zip(values, cols,
-                                                                              strict=True))
-                  for label, values in rows]
+        lines += _table(headers, rows)
+    if transfers:
+        lines += ["", *_transfer_table(transfers, plan.context_length)]
     lines.append("")
     for c in (PRECISION, CAPACITY):
         cond = plan.condition(c)
@@ -118,6 +121,45 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
     for f in plan.findings:
         lines.append(f"{f.severity}: {f.reason}: {f.message}")
     return "\n".join(lines)
+
+
+def _table(headers: list[str], rows: list[tuple[str, list[str]]]) -> list[str]:
+    width = max(len(label) for label, _ in rows)
+    cols = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(headers)]
+    return [" " * width + "".join(f"  {h:>{w}}" for h, w in zip(headers, cols, strict=True)),
+            *(f"{label:<{width}}" + "".join(f"  {v:>{w}}" for v, w in zip(values, cols,
+                                                                         strict=True))
+              for label, values in rows)]
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def _transfer_table(transfers: Sequence[TransferPlan], context_length: int) -> list[str]:
+    """The handover per request beside the capacity tables: bytes and time per prompt
+    length, and the prompt tokens per second one link carries."""
+    first = transfers[0]
+    headers = [f"{'*' if i == 0 else ''}KV {_short(t.prefill_kv)} -> {_short(t.decode_kv)}"
+               for i, t in enumerate(transfers)]
+    rows: list[tuple[str, list[str]]] = [
+        ("wire bytes/token", [f"{t.wire_bytes_per_token:,}" for t in transfers])]
+    for n in transfer_prompts(context_length):
+        rows.append((f"MB/request @ {_tokens(n)}",
+                     [f"{t.bytes_for(n) / 1e6:,.1f}" for t in transfers]))
+        rows.append((f"ms/request @ {_tokens(n)}",
+                     [f"{t.seconds_for(n) * 1e3:,.2f}" for t in transfers]))
+    rows.append(("prompt tokens/s/link", [f"{t.tokens_per_second:,.0f}" for t in transfers]))
+    return [f"KV handover, prefill -> decode, per request: {first.backend} over "
+            f"{first.link_gbps:g} Gb/s (spec.transfer.linkGbps), sent in the decode's KV dtype; "
+            "* = this spec",
+            *_table(headers, rows),
+            "the network caps prefill when the prefill pool produces more prompt tokens/s "
+            "than the links carry"]
+
+
+def _short(kv: str) -> str:
+    return "fp8" if kv == "fp8_e4m3" else kv
 
 
 def _label(p: PhasePlan, chosen: PhasePlan) -> str:
