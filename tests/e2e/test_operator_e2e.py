@@ -46,6 +46,8 @@ def poll(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
 class Operator:
     """`tessera operator run` as a child process, logging to a file."""
 
+    command: tuple[str, ...] = (sys.executable, "-m", "tessera")
+
     def __init__(self, env: dict[str, str], log: Path, *extra: str) -> None:
         self.env, self.log, self.extra = env, log, extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -62,7 +64,7 @@ class Operator:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tessera", "operator", "run",
+                [*self.command, "operator", "run",
                  "--resync-seconds", str(RESYNC_S), *self.extra],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT)
         proc = self.proc
