@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tessera.cli import main
 from tessera.runtime.planner import PlanError, resolve_architecture
 from tessera.runtime.planner.transfer import (
     TRANSFER_PROMPTS,
@@ -16,6 +15,8 @@ from tessera.runtime.planner.transfer import (
     transfer_prompts,
     wire_bytes_per_token,
 )
+
+from tessera.cli import main
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*/modeldeployment.yaml"))
 KIMI = resolve_architecture("kimi-k2", {})
