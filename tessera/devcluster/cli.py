@@ -27,9 +27,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build = actions.add_parser("build", help="build and cache the control-plane binaries")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
     up = actions.add_parser("up", help="start the cluster (or report the one already up)")
-    up.add_argument("--pool", action="append", default=[], metavar="NAME=COUNT",
-                    help="a node pool of simulated H200 nodes; repeatable "
-                         "(default: prefill=2 decode=2)")
+    up.add_argument("--pool", action="append", default=[], metavar="NAME=COUNT[,RES=N]",
+                    help="a node pool of simulated H200 nodes, optionally advertising RDMA "
+                         "devices (decode=2,rdma/ib=8); repeatable (default: prefill=2 decode=2)")
     up.add_argument("--gpus-per-node", type=int, default=8)
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for Ready")
     actions.add_parser("down", help="stop every process of the cluster and remove its state")

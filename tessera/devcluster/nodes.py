@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -28,6 +29,9 @@ class NodePool:
     cpu: str = "224"
     memory: str = "2Ti"
     max_pods: int = 250
+    # RDMA devices each node advertises, as a device plugin would (e.g. {"rdma/ib": 8}), so
+    # the scheduler places RDMA-requesting pods only here. Empty: a pool without RDMA.
+    rdma: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not _DNS_LABEL.match(self.name):
@@ -39,17 +43,31 @@ class NodePool:
             raise ValueError(f"node pool {self.name!r}: nodes must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
             raise ValueError(f"node pool {self.name!r}: gpus_per_node must be >= 0")
+        for resource, count in self.rdma.items():
+            if "/" not in resource or resource == GPU_RESOURCE or count < 0:
+                raise ValueError(
+                    f"node pool {self.name!r}: RDMA resource {resource}={count} must be an "
+                    "extended resource name (domain/name, not the GPUs) with a count >= 0")
 
 
 DEFAULT_POOLS = (NodePool("prefill"), NodePool("decode"))
 
 
 def parse_pool(spec: str, gpus_per_node: int = 8) -> NodePool:
-    """Parse a CLI pool spec `NAME=COUNT` (e.g. `decode=4`)."""
-    name, sep, count = spec.partition("=")
+    """Parse a CLI pool spec `NAME=COUNT[,RESOURCE=N...]` (e.g. `decode=4` or
+    `decode=2,rdma/ib=8` for nodes that also advertise 8 RDMA devices)."""
+    usage = f"pool spec {spec!r} must look like NAME=COUNT[,RESOURCE=N...], e.g. decode=2,rdma/ib=8"
+    pool, *extras = spec.split(",")
+    name, sep, count = pool.partition("=")
     if not sep or not count.isdigit():
-        raise ValueError(f"pool spec {spec!r} must look like NAME=COUNT, e.g. decode=2")
-    return NodePool(name=name, nodes=int(count), gpus_per_node=gpus_per_node)
+        raise ValueError(usage)
+    rdma = {}
+    for extra in extras:
+        resource, sep, n = extra.partition("=")
+        if not sep or not n.isdigit():
+            raise ValueError(usage)
+        rdma[resource] = int(n)
+    return NodePool(name=name, nodes=int(count), gpus_per_node=gpus_per_node, rdma=rdma)
 
 
 def node_name(pool: NodePool, index: int) -> str:
@@ -62,6 +80,7 @@ def node_manifest(pool: NodePool, index: int) -> dict[str, Any]:
         "memory": pool.memory,
         "pods": str(pool.max_pods),
         GPU_RESOURCE: str(pool.gpus_per_node),
+        **{resource: str(count) for resource, count in pool.rdma.items()},
     }
     return {
         "apiVersion": "v1",

@@ -102,7 +102,7 @@ def test_binaries_report_what_is_missing(tmp_path: Path) -> None:
     binaries.etcd.write_text("")
     missing = binaries.missing()
     assert binaries.etcd not in missing
-    assert binaries.kube_apiserver in missing and len(missing) == 6
+    assert binaries.kube_apiserver in missing and len(missing) == 8
 
 
 # ---- nodes ----------------------------------------------------------------------------------
@@ -125,7 +125,19 @@ def test_parse_pool() -> None:
     assert parse_pool("decode=4", gpus_per_node=4) == NodePool("decode", nodes=4, gpus_per_node=4)
 
 
-@pytest.mark.parametrize("spec", ["decode", "decode=", "decode=two", "=2"])
+def test_a_pool_can_advertise_rdma_devices() -> None:
+    pool = parse_pool("fabric=2,rdma/ib=8,rdma/roce=1")
+    assert pool == NodePool("fabric", nodes=2, rdma={"rdma/ib": 8, "rdma/roce": 1})
+    [node, _] = node_manifests((pool,))
+    assert node["status"]["allocatable"] == node["status"]["capacity"]
+    assert {k: v for k, v in node["status"]["allocatable"].items() if k.startswith("rdma/")} == {
+        "rdma/ib": "8", "rdma/roce": "1"}
+    assert all(not k.startswith("rdma/") for n in node_manifests(DEFAULT_POOLS)
+               for k in n["status"]["allocatable"])
+
+
+@pytest.mark.parametrize("spec", ["decode", "decode=", "decode=two", "=2", "decode=2,rdma/ib",
+                                  "decode=2,rdma/ib=x"])
 def test_parse_pool_rejects_malformed_specs(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_pool(spec)
@@ -135,6 +147,8 @@ def test_parse_pool_rejects_malformed_specs(spec: str) -> None:
     (dict(name="Decode"), "not a DNS label"),
     (dict(name="decode", nodes=0), "nodes must be >= 1"),
     (dict(name="decode", gpus_per_node=-1), "gpus_per_node must be >= 0"),
+    (dict(name="decode", rdma={"ib": 1}), "must be an extended resource name"),
+    (dict(name="decode", rdma={"nvidia.com/gpu": 1}), "must be an extended resource name"),
 ])  # fmt: skip
 def test_node_pool_validation(pool: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
