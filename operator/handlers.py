@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 from tessera.operator import constants as c
+from tessera.operator import metrics
 from tessera.operator.kube import CHILD_KINDS, Kube, new_api_client
 from tessera.operator.reconcile import Reconciler, Store
 from tessera.operator.render import render_configs
@@ -46,6 +47,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
                 store.put(obj)
     memo.reconciler = Reconciler(kube, store, render_configs)
+    metrics.STATUS.store = store  # the per-deployment gauges read it at scrape time
     memo.resync = asyncio.create_task(_resync_forever(memo.reconciler))
     log.info("operator started: %d children cached, resync every %gs", len(store.objects),
              RESYNC_SECONDS)
