@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tessera.operator import constants as c
+from tessera.runtime import planner
 
 Obj = dict[str, Any]
 
@@ -124,8 +125,8 @@ def gpus_per_pod(phase_spec: Mapping[str, Any], per_node: int = DEFAULT_GPUS_PER
 
 def nodes_per_replica(spec: Mapping[str, Any], phase: str) -> int:
     """How many nodes one replica of `phase` spans (the CRD admits only whole nodes)."""
-    per_node = gpus_per_node(spec)
-    return max(1, int(spec[phase].get("tensorParallel", 8)) // per_node)
+    return planner.nodes_per_replica(int(spec[phase].get("tensorParallel", 8)),
+                                     gpus_per_node(spec))
 
 
 def workload_kind(spec: Mapping[str, Any], phase: str) -> str:

@@ -11,6 +11,7 @@ from tessera.runtime.planner.plan import (
     PhasePlan,
     PhaseSpec,
     compare_precisions,
+    nodes_per_replica,
     plan_deployment,
     plan_phase,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint_bytes",
     "compare_precisions",
     "kv_bytes_per_token_per_gpu",
+    "nodes_per_replica",
     "plan_deployment",
     "plan_phase",
     "resolve_architecture",

@@ -103,7 +103,8 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
     for phase, plans in variants.items():
         chosen = plan.phases[phase]
         s = chosen.spec
-        lines += ["", f"{phase}: {s.replicas} replica(s) x {s.tensor_parallel} GPUs (EP "
+        over = f" over {s.nodes} nodes" if s.nodes > 1 else ""
+        lines += ["", f"{phase}: {s.replicas} replica(s) x {s.tensor_parallel} GPUs{over} (EP "
                       f"{s.expert_parallel}, attention DP {s.attention_data_parallel}), page "
                       f"{s.page_size}; * = this spec"]
         headers = [_label(p, chosen) for p in plans]

@@ -36,7 +36,7 @@ from tessera.runtime.planner.weights import (
 
 # Defaults for optional spec fields, the same as the ModelDeployment CRD's, except that a
 # missing memFractionStatic means SGLang's own rule (engine.py).
-DEFAULT_GPU = {"product": "H200", "memoryGiB": 141, "computeCapability": "9.0"}
+DEFAULT_GPU = {"product": "H200", "memoryGiB": 141, "computeCapability": "9.0", "perNode": 8}
 DEFAULT_REPLICAS = 1
 DEFAULT_TENSOR_PARALLEL = 8
 DEFAULT_EXPERT_PARALLEL = 1
@@ -85,6 +85,7 @@ class PhaseSpec:
     kv_dtype: str
     page_size: int
     mem_fraction_static: float | None  # None: SGLang's default rule
+    nodes: int = 1  # nodes one replica spans (tensor_parallel over the node's GPUs)
 
     @property
     def attention_tp(self) -> int:
@@ -113,6 +114,7 @@ class PhasePlan:
             "precision": {"weights": s.weights.dtype, "kvCache": s.kv_dtype},
             "capacity": {
                 "gpusPerReplica": s.tensor_parallel,
+                "nodesPerReplica": s.nodes,
                 "memFractionStatic": self.mem_fraction_static,
                 "weightsGiBPerGPU": _gib(self.weights_bytes_per_gpu),
                 "kvPoolGiBPerGPU": _gib(self.kv_pool_bytes_per_gpu),
@@ -167,8 +169,9 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
     gpu = {**DEFAULT_GPU, **_mapping(_mapping(spec, "nodePool"), "gpu", "spec.nodePool")}
     memory_bytes = int(_positive_number(gpu, "memoryGiB", "spec.nodePool.gpu") * GiB)
     capability = _compute_capability(gpu.get("computeCapability"))
+    per_node = _positive_int(gpu, "perNode", "spec.nodePool.gpu", default=DEFAULT_GPU["perNode"])
 
-    phases = [_phase_spec(name, spec[name], arch) for name in _phase_names(spec)]
+    phases = [_phase_spec(name, spec[name], arch, per_node) for name in _phase_names(spec)]
     findings: list[Finding] = []
     plans: dict[str, PhasePlan] = {}
     for phase in phases:
@@ -378,7 +381,12 @@ def _phase_names(spec: Mapping[str, Any]) -> list[str]:
         "spec.decode (disaggregated) or only spec.single (one pool)")
 
 
-def _phase_spec(name: str, raw: Any, arch: Architecture) -> PhaseSpec:
+def nodes_per_replica(tensor_parallel: int, gpus_per_node: int) -> int:
+    """Nodes one replica spans: one while its GPUs fit a node, else whole nodes."""
+    return max(1, tensor_parallel // gpus_per_node)
+
+
+def _phase_spec(name: str, raw: Any, arch: Architecture, gpus_per_node: int) -> PhaseSpec:
     path = f"spec.{name}"
     _require_mapping(raw, path)
     weights = _mapping(raw, "weights", path)
@@ -412,6 +420,10 @@ def _phase_spec(name: str, raw: Any, arch: Architecture) -> PhaseSpec:
         if tp % n:
             raise PlanError(f"{path}.{key} {n} must divide tensorParallel {tp}: SGLang runs it "
                             "inside the tensor-parallel group")
+    if tp > gpus_per_node and tp % gpus_per_node:
+        raise PlanError(f"{path}.tensorParallel {tp} spans nodes of {gpus_per_node} GPUs "
+                        "(nodePool.gpu.perNode) but is not a multiple of it: a replica wider "
+                        "than one node takes whole nodes")
     return PhaseSpec(
         name=name,
         replicas=_positive_int(raw, "replicas", path, default=DEFAULT_REPLICAS, minimum=0),
@@ -422,6 +434,7 @@ def _phase_spec(name: str, raw: Any, arch: Architecture) -> PhaseSpec:
         kv_dtype=kv_dtype,
         page_size=_positive_int(kv, "pageSize", f"{path}.kvCache", default=DEFAULT_PAGE_SIZE),
         mem_fraction_static=None if fraction is None else float(fraction),
+        nodes=nodes_per_replica(tp, gpus_per_node),
     )
 
 
