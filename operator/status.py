@@ -119,13 +119,13 @@ def rollout_conditions(workloads: Mapping[str, Workload | None], planned: bool,
     for refusal in refusals:
         said.setdefault(refusal.component, []).append(refusal.message)
 
-    def why(name: str, text: str) -> str:
+    def quoting(name: str, text: str) -> str:
         return f"{text}: {'; '.join(said[name])}" if name in said else text
 
     not_ready = [*said.get("", []),
-                 *(why(name, f"{name} waits for its weights: {waiting[name]}" if name in waiting
-                       else f"{name} not created") for name in missing),
-                 *(why(name, text) for name, text in unready)]
+                 *(quoting(name, f"{name} waits for its weights: {waiting[name]}"
+                           if name in waiting else f"{name} not created") for name in missing),
+                 *(quoting(name, text) for name, text in unready)]
     reason = first_reason(refusals) if refusals else None
     ready = (make_condition(c.READY, FALSE, reason or "ComponentsNotReady", "; ".join(not_ready),
                             generation)

@@ -27,7 +27,11 @@ _RUN_TEMPLATE = """\
 phase: Running
 startTime: {{ $now | Quote }}
 hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
-podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+{{ $host := or .spec.hostNetwork false }}
+{{ $uid := or .metadata.uid "" }}
+{{ $name := or .metadata.name "" }}
+{{ $ns := or .metadata.namespace "" }}
+podIP: {{ PodIPWith .spec.nodeName $host $uid $name $ns | Quote }}
 conditions:
 {{ range list "Initialized" "ContainersReady" "Ready" }}
 - type: {{ . }}
@@ -46,7 +50,11 @@ initContainerStatuses:
   ready: true
   restartCount: 0
   state:
-    terminated: {exitCode: 0, reason: Completed, startedAt: {{ $now | Quote }}, finishedAt: {{ $now | Quote }}}
+    terminated:
+      exitCode: 0
+      reason: Completed
+      startedAt: {{ $now | Quote }}
+      finishedAt: {{ $now | Quote }}
 {{ end }}
 containerStatuses:
 {{ range .spec.containers }}
@@ -73,15 +81,19 @@ containerStatuses:
   restartCount: 0
   state:
     running: null
-    terminated: {exitCode: 0, reason: Completed, startedAt: {{ $now | Quote }}, finishedAt: {{ $now | Quote }}}
+    terminated:
+      exitCode: 0
+      reason: Completed
+      startedAt: {{ $now | Quote }}
+      finishedAt: {{ $now | Quote }}
 {{ end }}
 """
 
 # The pod stays Running (restartPolicy Always), its containers exit again and again.
 _EXIT_TEMPLATE = """\
 {{ $now := Now }}
-{{ $code := index .metadata.annotations "%(code)s" }}
-{{ $said := or ( index .metadata.annotations "%(message)s" ) "" }}
+{{ $code := index .metadata.annotations "EXIT_CODE" }}
+{{ $said := or ( index .metadata.annotations "EXIT_MESSAGE" ) "" }}
 conditions:
 {{ range list "ContainersReady" "Ready" }}
 - type: {{ . }}
@@ -100,7 +112,8 @@ containerStatuses:
     running: null
     waiting:
       reason: CrashLoopBackOff
-      message: {{ printf "back-off 40s restarting failed container=%%s pod=%%s" .name $.metadata.name | Quote }}
+      {{ $why := printf "restarting failed container=%s pod=%s" .name $.metadata.name }}
+      message: {{ printf "back-off 40s %s" $why | Quote }}
   lastState:
     terminated:
       exitCode: {{ $code }}
@@ -109,7 +122,7 @@ containerStatuses:
       startedAt: {{ $now | Quote }}
       finishedAt: {{ $now | Quote }}
 {{ end }}
-""" % {"code": ANNOTATION_EXIT_CODE, "message": ANNOTATION_EXIT_MESSAGE}
+""".replace("EXIT_CODE", ANNOTATION_EXIT_CODE).replace("EXIT_MESSAGE", ANNOTATION_EXIT_MESSAGE)
 
 
 def _stage(name: str, match: list[dict[str, Any]], next_: dict[str, Any]) -> dict[str, Any]:

@@ -82,8 +82,9 @@ UNPLACED = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"
 RUNNING = {"name": "engine", "ready": True, "state": {"running": {}}}
 CRASHING = {"name": "engine", "ready": False, "restartCount": 4,
             "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
-            "lastState": {"terminated": {"exitCode": 3, "reason": "Error",
-                                         "message": "preflight: 80 GiB of GPU memory, needs 141\n"}}}
+            "lastState": {"terminated": {
+                "exitCode": 3, "reason": "Error",
+                "message": "preflight: 80 GiB of GPU memory, needs 141\n"}}}
 EXITED = {"name": "engine", "ready": False,
           "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
 RECOVERED = {"name": "engine", "ready": True, "restartCount": 1, "state": {"running": {}},
