@@ -166,12 +166,16 @@ def pod_refusals(component: str, pods: Iterable[Mapping[str, Any]],
 def pool_need(replicas: int, gpus_per_replica: int, gpus_per_node: int,
               selector: Mapping[str, str]) -> str:
     """How many nodes a phase needs, for a message about pods that cannot be placed: a
-    replica's GPUs stay inside one node, so a node holds gpus_per_node // gpus_per_replica."""
-    per_node = max(1, gpus_per_node // max(1, gpus_per_replica))
-    nodes = -(-replicas // per_node)
+    replica no wider than a node keeps its GPUs on one node (so a node holds
+    gpus_per_node // gpus_per_replica of them); a wider one takes whole nodes."""
+    if gpus_per_replica > gpus_per_node:
+        nodes, free = replicas * -(-gpus_per_replica // gpus_per_node), gpus_per_node
+    else:
+        per_node = gpus_per_node // max(1, gpus_per_replica)
+        nodes, free = -(-replicas // per_node), gpus_per_replica * min(per_node, replicas)
     where = ", ".join(f"{k}={v}" for k, v in sorted(selector.items())) or "any node"
     return (f"{replicas} replica(s) x {gpus_per_replica} GPU(s) need {nodes} node(s) with "
-            f"{gpus_per_replica * min(per_node, replicas)} free GPU(s) each, matching {where}")
+            f"{free} free GPU(s) each, matching {where}")
 
 
 def first_reason(refusals: Sequence[Refusal]) -> str:

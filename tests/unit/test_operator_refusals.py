@@ -122,6 +122,7 @@ def test_pod_refusals(pods: list[dict[str, Any]], expected: list[Refusal]) -> No
 
 @pytest.mark.parametrize("replicas, gpus, per_node, nodes, free", [
     (2, 8, 8, 2, 8), (3, 1, 8, 1, 3), (5, 4, 8, 3, 8), (1, 2, 8, 1, 2),
+    (2, 16, 8, 4, 8),  # a replica two nodes wide
 ])
 def test_pool_need_counts_whole_nodes(replicas: int, gpus: int, per_node: int, nodes: int,
                                       free: int) -> None:
