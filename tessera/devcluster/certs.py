@@ -1,5 +1,6 @@
 """Fresh certificates for one dev cluster: a CA, the apiserver's serving cert, an admin client
-cert (group system:masters) and the service-account signing key. Written as PEM files."""
+cert (group system:masters), the service-account signing key and a serving cert for webhooks
+on loopback (LeaderWorkerSet's). Written as PEM files."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    # In their own folder under the names controller-runtime's webhook server reads.
+    webhook_cert: Path
+    webhook_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -79,7 +83,7 @@ def _issue(subject: x509.Name, key: ec.EllipticCurvePrivateKey, ca_name: x509.Na
 def generate(directory: Path) -> Pki:
     """Create every key and certificate the cluster needs under `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca_key, serving_key, admin_key = _key(), _key(), _key()
+    ca_key, serving_key, admin_key, webhook_key = _key(), _key(), _key(), _key()
     ca_name = _name("tessera-dev-ca")
     ca = _issue(ca_name, ca_key, ca_name, ca_key, is_ca=True)
     sans: list[x509.GeneralName] = [
@@ -92,6 +96,12 @@ def generate(directory: Path) -> Pki:
                      usage=ExtendedKeyUsageOID.SERVER_AUTH, sans=sans)
     admin = _issue(_name("tessera-admin", "system:masters"), admin_key, ca_name, ca_key,
                    usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    # The API server calls webhooks at https://127.0.0.1:PORT and checks this cert.
+    webhook = _issue(_name("tessera-dev-webhook"), webhook_key, ca_name, ca_key,
+                     usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                     sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    webhook_dir = directory / "webhook"
+    webhook_dir.mkdir(exist_ok=True)
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pem = serialization.Encoding.PEM
     return Pki(
@@ -103,4 +113,6 @@ def generate(directory: Path) -> Pki:
         sa_key=_write(directory / "sa.key", _pem_key(sa_key)),
         sa_pub=_write(directory / "sa.pub", sa_key.public_key().public_bytes(
             pem, serialization.PublicFormat.SubjectPublicKeyInfo)),
+        webhook_cert=_write(webhook_dir / "tls.crt", webhook.public_bytes(pem)),
+        webhook_key=_write(webhook_dir / "tls.key", _pem_key(webhook_key)),
     )

@@ -1,5 +1,6 @@
 """A real local Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler and kwok on 127.0.0.1, with simulated H200 nodes.
+kube-scheduler and kwok on 127.0.0.1, with simulated H200 nodes, and LeaderWorkerSet's
+controller (its CRDs, and its webhooks called by the API server on loopback).
 
 Two ways to hold one:
 - attached (tests): `with DevCluster.create(state_dir) as c:`; the processes die with this one
@@ -10,6 +11,7 @@ Two ways to hold one:
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import os
@@ -31,9 +33,9 @@ import yaml
 from tessera.devcluster import certs
 from tessera.devcluster.build import Binaries
 from tessera.devcluster.nodes import DEFAULT_POOLS, NodePool, node_manifests
+from tessera.devcluster.stages import kwok_config
 
 STATE_FILE = "cluster.json"
-from tessera.devcluster.stages import kwok_config
 SERVICE_CIDR = "10.0.0.0/24"
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 10.0
@@ -149,6 +151,10 @@ class Layout:
     def state_file(self) -> Path:
         return self.root / STATE_FILE
 
+    @property
+    def lws_config(self) -> Path:
+        return self.root / "lws-config.yaml"
+
 
 # ---- pure builders ----------------------------------------------------------------------------
 
@@ -218,6 +224,70 @@ def kwok_argv(binary: Path, layout: Layout) -> list[str]:
         # nodes NotReady between kwok's (slower) status updates and evicts Ready from their pods.
         f"--node-lease-duration-seconds={NODE_LEASE_S}",
         f"--config={layout.root / 'kwok.yaml'}",
+    ]
+
+
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_POD_SELECTOR = {"matchExpressions": [
+    {"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
+
+
+def lws_config(pki: certs.Pki, webhook_port: int) -> dict[str, Any]:
+    """LWS's own configuration file: one replica (no leader election), no metrics or probe
+    listeners, and its webhooks on loopback with our certificate instead of the certificates
+    it would otherwise generate into a Secret for an in-cluster Service."""
+    return {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port,
+                    "certDir": str(pki.webhook_cert.parent)},
+        "metrics": {"bindAddress": "0"},
+        "health": {"healthProbeBindAddress": "0"},
+    }
+
+
+def lws_argv(binary: Path, layout: Layout) -> list[str]:
+    return [str(binary), f"--config={layout.lws_config}", f"--kubeconfig={layout.kubeconfig}"]
+
+
+def lws_webhook_configurations(webhook_port: int, ca_pem: bytes) -> list[dict[str, Any]]:
+    """LWS's admission webhooks (as its release installs them: LeaderWorkerSets, and pods that
+    carry its name label), addressed by URL so the API server reaches them on loopback."""
+    ca_bundle = base64.b64encode(ca_pem).decode()
+
+    def hook(name: str, path: str, group: str, resource: str, operations: list[str],
+             object_selector: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "name": name,
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "clientConfig": {"url": f"https://127.0.0.1:{webhook_port}{path}",
+                             "caBundle": ca_bundle},
+            "rules": [{"apiGroups": [group], "apiVersions": ["v1"], "operations": operations,
+                       "resources": [resource]}],
+            **({"objectSelector": object_selector} if object_selector else {}),
+        }
+
+    lws_group, both = "leaderworkerset.x-k8s.io", ["CREATE", "UPDATE"]
+    return [
+        {"apiVersion": "admissionregistration.k8s.io/v1",
+         "kind": "MutatingWebhookConfiguration",
+         "metadata": {"name": "lws-mutating-webhook-configuration"},
+         "webhooks": [
+             hook("mleaderworkerset.kb.io", "/mutate-leaderworkerset-x-k8s-io-v1-leaderworkerset",
+                  lws_group, "leaderworkersets", both),
+             hook("mpod.kb.io", "/mutate--v1-pod", "", "pods", both, LWS_POD_SELECTOR)]},
+        {"apiVersion": "admissionregistration.k8s.io/v1",
+         "kind": "ValidatingWebhookConfiguration",
+         "metadata": {"name": "lws-validating-webhook-configuration"},
+         "webhooks": [
+             hook("vleaderworkerset.kb.io",
+                  "/validate-leaderworkerset-x-k8s-io-v1-leaderworkerset",
+                  lws_group, "leaderworkersets", both),
+             hook("vpod.kb.io", "/validate--v1-pod", "", "pods", both, LWS_POD_SELECTOR)]},
     ]
 
 
@@ -353,6 +423,7 @@ class DevCluster:
         self._write_state()
         self.kubectl("apply", "-f", "-", input={"apiVersion": "v1", "kind": "List",
                                                 "items": nodes})
+        self._start_lws(pki, deadline)
         wait_s = max(1, int(deadline - time.monotonic()))
         result = self.kubectl("wait", "--for=condition=Ready", "node", "--all",
                               f"--timeout={wait_s}s", check=False, timeout=wait_s + 10)
@@ -360,6 +431,28 @@ class DevCluster:
             raise ClusterError(f"nodes did not become Ready within {timeout:.0f} s: "
                                f"{result.stderr.strip()}; see {self._log('kwok')}")
         self._check_alive()
+
+    def _start_lws(self, pki: certs.Pki, deadline: float) -> None:
+        """LeaderWorkerSet: its CRDs, then its controller (which needs them served), then its
+        webhook configurations once its webhook server answers."""
+        # Server-side: the CRD is too large for the last-applied annotation.
+        self.kubectl("apply", "--server-side", "-f", str(self.binaries.lws_crds))
+        wait_s = max(1, int(deadline - time.monotonic()))
+        self.kubectl("wait", "--for=condition=Established", f"crd/{LWS_CRD}",
+                     f"--timeout={wait_s}s", timeout=wait_s + 10)
+        port = free_port()
+        self.layout.lws_config.write_text(yaml.safe_dump(lws_config(pki, port)))
+        proc = self._spawn("lws-controller", lws_argv(self.binaries.lws_controller, self.layout))
+        self._write_state()
+        while not _tls_ok(port, pki.ca_cert):
+            if not proc.running() or time.monotonic() > deadline:
+                raise ClusterError(f"lws-controller's webhook server did not come up on port "
+                                   f"{port}; log: {self._log('lws-controller')}\n"
+                                   f"{_tail(self._log('lws-controller'))}")
+            time.sleep(0.1)
+        self.kubectl("apply", "-f", "-", input={
+            "apiVersion": "v1", "kind": "List",
+            "items": lws_webhook_configurations(port, pki.ca_cert.read_bytes())})
 
     def _log(self, name: str) -> Path:
         return self.layout.logs / f"{name}.log"
@@ -442,6 +535,17 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
         with urllib.request.urlopen(url, timeout=2, context=ctx) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tls_ok(port: int, ca_cert: Path) -> bool:
+    """Does a TLS server on 127.0.0.1:`port` answer with a certificate `ca_cert` signed?"""
+    ctx = ssl.create_default_context(cafile=str(ca_cert))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1"):
+            return True
+    except (OSError, ssl.SSLError):
         return False
 
 
