@@ -21,6 +21,7 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("apps/v1", "Deployment"): "deployments",
+    (c.LWS_API_VERSION, c.LWS_KIND): c.LWS_PLURAL,  # served only where LWS is installed
     ("batch/v1", "Job"): "jobs",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
@@ -88,11 +89,29 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `api_version` (discovery; a cluster
+        without a CRD answers 404 for its group)."""
+        path = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        try:
+            resources = self.request("GET", path).get("resources", [])
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in resources)
+
     def list_labelled(self, api_version: str, kind: str, plural: str,
                       selector: str) -> list[Obj]:
-        """Every object of this kind in the cluster (all namespaces) matching `selector`."""
+        """Every object of this kind in the cluster (all namespaces) matching `selector`;
+        none where the cluster does not serve the kind (an optional CRD such as LWS)."""
         path = _collection(api_version, plural, None)
-        items = self.request("GET", path, query=[("labelSelector", selector)])["items"]
+        try:
+            items = self.request("GET", path, query=[("labelSelector", selector)])["items"]
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return []
+            raise
         # List items come without apiVersion/kind; put them back so items look like watch events.
         return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
 

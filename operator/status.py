@@ -77,6 +77,30 @@ def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
     )
 
 
+def observe_group_set(lws: Mapping[str, Any] | None) -> Workload | None:
+    """One observed LeaderWorkerSet. Its counts are of groups (replicas): LWS counts a group
+    ready only when its leader and every worker are, so a lost pod makes its whole replica
+    unready. LWS publishes no observedGeneration: a spec change shows up once its controller
+    marks UpdateInProgress, one reconcile of it after the apply."""
+    if lws is None:
+        return None
+    spec, st = lws.get("spec", {}), lws.get("status", {})
+    true = {cond.get("type") for cond in st.get("conditions", [])
+            if cond.get("status") == TRUE}
+    seen = {cond.get("type") for cond in st.get("conditions", [])}
+    return Workload(
+        desired=int(spec.get("replicas", 1)),
+        current=int(st.get("replicas", 0)),
+        ready=int(st.get("readyReplicas", 0)),
+        updated=int(st.get("updatedReplicas", 0)),
+        synced="UpdateInProgress" not in true,
+        failure="",
+        # Available was reached once and no template rollout runs: a group short of ready
+        # now is a loss (its pod died, its node went), not a group still starting.
+        settled="Available" in seen and "UpdateInProgress" not in true,
+    )
+
+
 def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,
                     generation: int) -> list[Condition]:
     """PrecisionValid and CapacityPlanned as the planner decides them; a spec it cannot read
