@@ -39,8 +39,9 @@ RELEASE = "tessera-operator"  # also the chart's object names and the leader-ele
 OPERATOR_NAMESPACE = "tessera-system"
 DEMO_NAMESPACE = "llm"
 # Simulated H200 nodes (8 GPUs each) per pool: Kimi K2 takes 1 prefill + 2 decode nodes,
-# GLM 5 1 prefill + 1 decode node (tensorParallel 8, one replica per node).
-POOLS = {"prefill": 2, "decode": 3}
+# GLM 5 1 prefill + 1 decode node (tensorParallel 8, one replica per node), Kimi K2 multi-node
+# 2 prefill nodes (one TP-16 replica) + 1 decode node.
+POOLS = {"prefill": 4, "decode": 4}
 # The local operator's identity in the Lease (a pod's would be its name).
 LOCAL_IDENTITY = "local-demo-operator"
 TOKEN_DURATION = "24h"

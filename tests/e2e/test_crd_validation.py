@@ -82,8 +82,14 @@ CASES: list[tuple[str, Edit, list[str]]] = [
     ("toleration Exists with value", lambda m: m["spec"].update(nodePool={"tolerations": [
         {"key": "k", "operator": "Exists", "value": "v"}]}),
      ["spec.nodePool.tolerations[0]", "must not set a value"]),
-    ("replica spanning nodes", lambda m: m["spec"]["decode"].update(tensorParallel=16),
-     ["spec: Invalid value", "tensorParallel is above nodePool.gpu.perNode"]),
+    ("expert parallel not dividing a two-node replica",
+     lambda m: m["spec"]["prefill"].update(tensorParallel=16, expertParallel=12),
+     ["spec.prefill.expertParallel", "expertParallel must divide tensorParallel"]),
+    ("attention DP wider than a two-node replica",
+     lambda m: m["spec"]["prefill"].update(tensorParallel=16, attentionDataParallel=32),
+     ["spec.prefill.attentionDataParallel", "must divide tensorParallel"]),
+    ("tensor parallel 64 (eight nodes)", lambda m: m["spec"]["prefill"].update(tensorParallel=64),
+     ["spec.prefill.tensorParallel", "Unsupported value"]),
     ("page size 48", lambda m: m["spec"]["decode"]["kvCache"].update(pageSize=48),
      ["spec.decode.kvCache.pageSize", "Unsupported value"]),
     ("architecture empty", lambda m: m["spec"]["model"].update(architecture={}),
@@ -121,6 +127,21 @@ def crd(cluster: Any) -> None:
 
 def test_the_valid_base_is_accepted(crd: None, kubectl: Any, namespace: str) -> None:
     kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=valid())
+
+
+# Replicas wider than one node: (tensorParallel, expertParallel, attentionDataParallel, perNode)
+MULTI_NODE = [(16, 1, 1, 8), (16, 16, 1, 8), (32, 32, 8, 8), (16, 8, 4, 4), (8, 8, 1, 4)]
+
+
+@pytest.mark.parametrize("tp, ep, dp, per_node", MULTI_NODE,
+                         ids=[f"tp{t}-ep{e}-dp{d}-per-node{n}" for t, e, d, n in MULTI_NODE])
+def test_replicas_spanning_whole_nodes_are_accepted(crd: None, kubectl: Any, namespace: str,
+                                                    tp: int, ep: int, dp: int,
+                                                    per_node: int) -> None:
+    m = valid()
+    m["spec"]["nodePool"] = {"gpu": {"perNode": per_node}}
+    m["spec"]["prefill"].update(tensorParallel=tp, expertParallel=ep, attentionDataParallel=dp)
+    kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
 
 
 @pytest.mark.parametrize("edit, expected", [(e, x) for _, e, x in CASES],
