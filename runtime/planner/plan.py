@@ -36,7 +36,9 @@ from tessera.runtime.planner.weights import (
 
 # Defaults for optional spec fields, the same as the ModelDeployment CRD's, except that a
 # missing memFractionStatic means SGLang's own rule (engine.py).
-DEFAULT_GPU = {"product": "H200", "memoryGiB": 141, "computeCapability": "9.0", "perNode": 8}
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GPU = {"product": "H200", "memoryGiB": 141, "computeCapability": "9.0",
+               "perNode": DEFAULT_GPUS_PER_NODE}
 DEFAULT_REPLICAS = 1
 DEFAULT_TENSOR_PARALLEL = 8
 DEFAULT_EXPERT_PARALLEL = 1
@@ -169,7 +171,7 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
     gpu = {**DEFAULT_GPU, **_mapping(_mapping(spec, "nodePool"), "gpu", "spec.nodePool")}
     memory_bytes = int(_positive_number(gpu, "memoryGiB", "spec.nodePool.gpu") * GiB)
     capability = _compute_capability(gpu.get("computeCapability"))
-    per_node = _positive_int(gpu, "perNode", "spec.nodePool.gpu", default=DEFAULT_GPU["perNode"])
+    per_node = _positive_int(gpu, "perNode", "spec.nodePool.gpu", default=DEFAULT_GPUS_PER_NODE)
 
     phases = [_phase_spec(name, spec[name], arch, per_node) for name in _phase_names(spec)]
     findings: list[Finding] = []
