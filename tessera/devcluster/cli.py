@@ -11,6 +11,7 @@ from pathlib import Path
 from tessera.devcluster.build import Binaries, BuildError, cache_root, ensure_binaries
 from tessera.devcluster.cluster import ClusterError, DevCluster
 from tessera.devcluster.nodes import DEFAULT_POOLS, parse_pool
+from tessera.devcluster.promtool import ensure_promtool
 
 
 def default_state_dir() -> Path:
@@ -24,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="where a detached cluster keeps its state "
                              "(default: $TESSERA_CACHE/state/dev-cluster)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    build = actions.add_parser("build", help="build and cache the control-plane binaries")
+    build = actions.add_parser("build", help="build and cache the control-plane binaries "
+                               "(and promtool, for the tests)")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
     up = actions.add_parser("up", help="start the cluster (or report the one already up)")
     up.add_argument("--pool", action="append", default=[], metavar="NAME=COUNT[,RES=N]",
@@ -51,6 +53,8 @@ def _build(args: argparse.Namespace, state_dir: Path) -> int:
     binaries = ensure_binaries(force=args.force)
     for name, path in vars(binaries).items():
         print(f"{name:24} {path}")
+    # Not part of the cluster: the tests check the chart's alert rules and dashboard with it.
+    print(f"{'promtool':24} {ensure_promtool(force=args.force)}")
     return 0
 
 
