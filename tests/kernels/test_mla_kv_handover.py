@@ -1,0 +1,148 @@
+"""The handover conversion against SGLang's own write functions, byte for byte.
+
+On CPU the Triton kernels run under the interpreter, and so do SGLang's own Triton quantize and
+dequantize kernels (the DSA layout); the MLA FP8 cast is SGLang's torch cast in its pool. The
+`gpu` tests repeat this at Kimi K2 / GLM 5 layer widths with 8k-token requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.kernels.mla_kv_handover import (
+    MLAKVLayout,
+    convert_rows,
+    convert_rows_ref,
+    convertible,
+    page_rows,
+)
+
+sglang_dsa = pytest.importorskip("sglang.kernels.ops.quantization.dsa_quant_k_cache")
+sglang_dequant = pytest.importorskip("sglang.kernels.ops.attention.dsa.dequant_k_cache")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(128, 64), (256, 0)] if DEVICE == "cpu" else [(512, 64)]
+
+
+def _bf16_rows(n: int, nope: int, rope: int, scale: float = 60.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n * 7 + nope)
+    x = torch.randn(n, nope + rope, generator=g) * scale
+    x[0, :6] = torch.tensor([1e6, -1e6, 449.0, -470.0, float("inf"), float("nan")])
+    return x.to(torch.bfloat16).to(DEVICE)
+
+
+def _mla_pool_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What SGLang's MLA pool of ``dtype`` stores for K ``x`` (its ``set_kv_buffer`` cast)."""
+    k = x if x.dtype == dtype else x.to(dtype)
+    return k.view(torch.uint8) if dtype != torch.bfloat16 else k.view(torch.uint8)
+
+
+def _sglang_dsa_rows(x: torch.Tensor, nope: int) -> torch.Tensor:
+    q, rope = sglang_dsa.quantize_k_cache_separate(x[:, :nope], x[:, nope:])
+    return torch.cat([q.squeeze(1), rope.squeeze(1)], dim=1)
+
+
+@pytest.mark.parametrize("nope,rope", SHAPES)
+def test_bf16_to_fp8_is_sglangs_cast(nope: int, rope: int) -> None:
+    x = _bf16_rows(9, nope, rope)
+    src, dst = MLAKVLayout("bf16", nope, rope), MLAKVLayout("fp8_e4m3", nope, rope)
+    out = torch.zeros(12, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    rows = torch.tensor([4, 0, 8, 1], device=DEVICE)
+    to = torch.tensor([11, 2, 5, 0], device=DEVICE)
+    convert_rows(x.view(torch.uint8), src, out, dst, rows, to)
+    assert torch.equal(out[to], _mla_pool_bytes(x[rows], torch.float8_e4m3fn))
+    assert out[2, 0] == 0x7E and out[2, 1] == 0xFE  # +-1e6 saturate at +-448
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[to.cpu()] = False
+    assert not out[untouched.to(DEVICE)].any()
+
+
+@pytest.mark.parametrize("nope,rope", SHAPES)
+def test_fp8_to_bf16_is_exact(nope: int, rope: int) -> None:
+    fp8 = _mla_pool_bytes(_bf16_rows(6, nope, rope), torch.float8_e4m3fn)
+    src, dst = MLAKVLayout("fp8_e4m3", nope, rope), MLAKVLayout("bf16", nope, rope)
+    out = torch.zeros(6, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    idx = torch.arange(6, device=DEVICE)
+    convert_rows(fp8, src, out, dst, idx, idx)
+    expected = fp8.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.bfloat16).view(torch.int16), expected.view(torch.int16))
+    finite = expected.isfinite()
+    # exact: casting back gives the FP8 bytes again
+    assert torch.equal(expected[finite].to(torch.float8_e4m3fn), fp8.view(torch.float8_e4m3fn)[
+        finite])
+
+
+@pytest.mark.parametrize("nope,rope", [(s[0], 64) for s in SHAPES])
+def test_bf16_to_dsa_fp8_is_sglangs_quantize(nope: int, rope: int) -> None:
+    x = _bf16_rows(7, nope, rope, scale=3.0)[1:]  # finite rows: SGLang's kernel NaNs zero tiles
+    src, dst = MLAKVLayout("bf16", nope, rope), MLAKVLayout("fp8_e4m3_dsa", nope, rope)
+    out = torch.zeros(6, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    idx = torch.arange(6, device=DEVICE)
+    convert_rows(x.contiguous().view(torch.uint8), src, out, dst, idx, idx)
+    assert torch.equal(out, _sglang_dsa_rows(x, nope))
+
+
+@pytest.mark.parametrize("nope,rope", [(s[0], 64) for s in SHAPES])
+def test_dsa_fp8_to_bf16_is_sglangs_dequantize(nope: int, rope: int) -> None:
+    x = _bf16_rows(7, nope, rope, scale=3.0)[1:].contiguous()
+    packed = _sglang_dsa_rows(x, nope)
+    src, dst = MLAKVLayout("fp8_e4m3_dsa", nope, rope), MLAKVLayout("bf16", nope, rope)
+    out = torch.zeros(6, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    idx = torch.arange(6, device=DEVICE)
+    convert_rows(packed, src, out, dst, idx, idx)
+    expected = sglang_dequant.dequantize_k_cache(
+        packed.view(torch.float8_e4m3fn).view(6, 1, -1)
+    ).view(6, -1)
+    assert torch.equal(out.view(torch.bfloat16).view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_e4m3", "fp8_e4m3_dsa"])
+def test_same_layout_is_a_copy(kind: str) -> None:
+    layout = MLAKVLayout(kind, 128, 64)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (10, layout.token_bytes), generator=g, dtype=torch.uint8)
+    src = src.to(DEVICE)
+    out = torch.zeros_like(src)
+    convert_rows(src, layout, out, layout, torch.tensor([3, 9], device=DEVICE),
+                 torch.tensor([0, 4], device=DEVICE))
+    assert torch.equal(out[0], src[3]) and torch.equal(out[4], src[9])
+
+
+@pytest.mark.parametrize(
+    "pair", [("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16"), ("bf16", "bf16")]
+)
+def test_table_kernels_match_the_torch_reference(pair: tuple[str, str]) -> None:
+    src, dst = MLAKVLayout(pair[0], 128, 64), MLAKVLayout(pair[1], 128, 64)
+    x = _bf16_rows(8, 128, 64)
+    rows = torch.zeros(8, src.token_bytes, dtype=torch.uint8, device=DEVICE)
+    idx = torch.arange(8, device=DEVICE)
+    convert_rows_ref(x.view(torch.uint8), MLAKVLayout("bf16", 128, 64), rows, src, idx, idx)
+    a = torch.zeros(8, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    b = torch.zeros_like(a)
+    convert_rows(rows, src, a, dst, idx.flip(0), idx)
+    convert_rows_ref(rows, src, b, dst, idx.flip(0), idx)
+    assert torch.equal(a, b)
+
+
+def test_layouts_and_refusals() -> None:
+    assert MLAKVLayout("fp8_e4m3_dsa").token_bytes == 656
+    assert MLAKVLayout("bf16").token_bytes == 1152 and MLAKVLayout("fp8_e4m3").token_bytes == 576
+    assert convertible(MLAKVLayout("bf16"), MLAKVLayout("fp8_e4m3_dsa"))
+    assert not convertible(MLAKVLayout("fp8_e4m3"), MLAKVLayout("fp8_e4m3_dsa"))
+    assert not convertible(MLAKVLayout("bf16", 512, 64), MLAKVLayout("fp8_e4m3", 256, 64))
+    with pytest.raises(ValueError, match="no conversion from"):
+        convert_rows(
+            torch.zeros(1, 576, dtype=torch.uint8), MLAKVLayout("fp8_e4m3"),
+            torch.zeros(1, 656, dtype=torch.uint8), MLAKVLayout("fp8_e4m3_dsa"),
+            torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match=r"uint8 token rows \[n, 1152\]"):
+        convert_rows(
+            torch.zeros(1, 576, dtype=torch.uint8), MLAKVLayout("bf16"),
+            torch.zeros(1, 576, dtype=torch.uint8), MLAKVLayout("fp8_e4m3"),
+            torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match="unknown MLA KV layout"):
+        MLAKVLayout("fp4")
+    assert page_rows(torch.tensor([2, 0]), 3).tolist() == [6, 7, 8, 0, 1, 2]
