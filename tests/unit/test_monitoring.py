@@ -360,3 +360,66 @@ def test_operations_doc_lists_every_panel_and_alert_with_its_query() -> None:
     for rule in rules():
         line = row(f"| [{rule['alert']}](#{rule['alert'].lower()}) |")
         assert f"`{' '.join(rule['expr'].split())}`" in line, f"{rule['alert']} is stale"
+
+
+# -- the chart ships them --
+
+CHART = ROOT / "charts" / "tessera-operator"
+
+
+def helm(*args: str) -> str:
+    from tessera.devcluster.build import Binaries, cache_root
+    binary = Binaries.in_cache(cache_root()).helm
+    if not binary.is_file():
+        pytest.fail(f"helm is not at {binary}: run scripts/setup.sh")
+    result = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def render(*args: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = helm("template", "tessera-operator", str(CHART), "-n", "tessera-system", *args)
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+
+
+def test_alerts_and_dashboard_are_off_by_default() -> None:
+    names = {name for _, name in render()}
+    assert not names & {"tessera-operator-alerts", "tessera-operator-dashboard"}
+
+
+def test_alerts_are_a_plain_rule_file_without_the_prometheus_operator() -> None:
+    docs = render("--set", "alerts.enabled=true", "--set", "alerts.labels.team=llm")
+    config = docs[("ConfigMap", "tessera-operator-alerts")]
+    assert config["metadata"]["labels"]["team"] == "llm"
+    assert yaml.safe_load(config["data"]["tessera-alerts.yaml"]) == \
+        yaml.safe_load(ALERTS.read_text())
+
+
+def test_alerts_are_a_prometheus_rule_where_its_crd_is_served() -> None:
+    docs = render("--set", "alerts.enabled=true",
+                  "--api-versions", "monitoring.coreos.com/v1/PrometheusRule")
+    rule = docs[("PrometheusRule", "tessera-operator-alerts")]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load(ALERTS.read_text())
+    assert ("ConfigMap", "tessera-operator-alerts") not in docs
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_generated_json() -> None:
+    docs = render("--set", "dashboard.enabled=true",
+                  "--set", "dashboard.annotations.grafana_folder=LLM")
+    config = docs[("ConfigMap", "tessera-operator-dashboard")]
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert json.loads(config["data"]["tessera-modeldeployments.json"]) == dashboard.dashboard()
+
+
+def test_service_monitor_keeps_the_deployments_namespace_label() -> None:
+    docs = render("--set", "metrics.serviceMonitor.enabled=true")
+    (endpoint,) = docs[("ServiceMonitor", "tessera-operator")]["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+
+
+def test_helm_lint_strict_with_everything_on() -> None:
+    out = helm("lint", "--strict", str(CHART), "--set", "alerts.enabled=true",
+               "--set", "dashboard.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+    assert "0 chart(s) failed" in out
