@@ -3,6 +3,7 @@
     tessera-runtime serve      [--config PATH]   preflight, metrics, then SGLang as a child
     tessera-runtime preflight  [--config PATH]   the checks alone; prints the result
     tessera-runtime router     [--config PATH]   replaces itself with the SGLang router
+    tessera-runtime fetch URI DIR                weights from hf://, s3:// or gs://, verified
 
 PATH defaults to $TESSERA_RUNTIME_CONFIG. Any failure before the engine starts is one log
 line, the same text in the termination message file, and an exit code from
@@ -20,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from tessera.runtime.config import (
     ENV_CONFIG,
@@ -29,6 +31,8 @@ from tessera.runtime.config import (
     RouterConfig,
     RuntimeConfig,
 )
+from tessera.runtime.fetch.download import FetchError, fetch
+from tessera.runtime.fetch.source import FetchFailure, SourceError
 from tessera.runtime.preflight import (
     Failure,
     PreflightResult,
@@ -174,6 +178,25 @@ def cmd_router(args: argparse.Namespace) -> int:
     os.execv(argv[0], argv)
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Exit codes: FetchFailure; the one-line reason also goes to the termination log."""
+    try:
+        summary = fetch(args.uri, Path(args.dir), workers=args.workers)
+    except SourceError as e:
+        return _fail(args, FetchFailure.BAD_URI, str(e))
+    except FetchError as e:
+        return _fail(args, e.failure, str(e))
+    log.info(summary)
+    write_termination_message(args.termination_log, summary)
+    return 0
+
+
+def _fail(args: argparse.Namespace, code: int, message: str) -> int:
+    log.error(message)
+    write_termination_message(args.termination_log, message)
+    return code
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "serve": (cmd_serve, "preflight, metrics, then SGLang for this phase"),
     "preflight": (cmd_preflight, "only the checks; exit code says which failed"),
@@ -191,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--termination-log", default=TERMINATION_LOG,
                        help="where the reason for a failed start is written")
         p.set_defaults(func=func)
+    fetch = sub.add_parser("fetch", help="fetch weights (hf://, s3://, gs://) into DIR, "
+                           "resumable, every file verified")
+    fetch.add_argument("uri", help="hf://org/repo[@revision], s3://bucket/dir or gs://bucket/dir")
+    fetch.add_argument("dir", help="destination folder (a retried fetch resumes there)")
+    fetch.add_argument("--workers", type=int, default=8, help="files fetched at once")
+    fetch.add_argument("--termination-log", default=TERMINATION_LOG,
+                       help="where the outcome is written")
+    fetch.set_defaults(func=cmd_fetch)
     return parser
 
 
