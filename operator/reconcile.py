@@ -10,9 +10,10 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.operator import constants as c
@@ -21,6 +22,12 @@ from tessera.operator.children import child_name, desired_children, phases_of
 from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
 from tessera.operator.kube import Kube
+from tessera.operator.refusals import (
+    RejectedError,
+    Rejection,
+    backoff_seconds,
+    observe_refusals,
+)
 from tessera.operator.status import build_status, observe_workload
 from tessera.operator.weights import (
     conversion_phase,
@@ -85,6 +92,10 @@ class Store:
             return [(ns, name) for kind, ns, name in self.objects if kind == c.KIND]
 
 
+# Owned objects the operator reads but never applies or prunes.
+_OBSERVED_ONLY = ("Event", "Pod")
+
+
 @dataclass(frozen=True)
 class Decision:
     apply: list[Obj]
@@ -135,10 +146,13 @@ def intend(md: Mapping[str, Any],
 
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
-           now: str) -> Decision:
-    """Everything one reconcile must do, from the parent, its intent and what it owns (pure)."""
+           now: str, rejections: Sequence[Rejection] = ()) -> Decision:
+    """Everything one reconcile must do, from the parent, its intent, what it owns (its
+    children, their pods, the runtime's events) and the children the API server rejected
+    when last applied (pure)."""
     meta, spec = md["metadata"], md["spec"]
-    children = {k: o for k, o in owned.items() if o["kind"] != "Event"}
+    children = {k: o for k, o in owned.items() if o["kind"] not in _OBSERVED_ONLY}
+    pods = [o for o in owned.values() if o["kind"] == "Pod"]
     mismatches = [o for o in owned.values() if o["kind"] == "Event"
                   and o.get("reason") == c.EVENT_REASON_KV_MISMATCH]
     apply: list[Obj] = []
@@ -164,8 +178,10 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     workloads = {component: observe_workload(
         children.get(("Deployment", meta["namespace"], child_name(meta["name"], component))))
         for component in (*phases_of(spec), c.ROUTER)}
+    refusals = observe_refusals(spec, {name: w.replica_failure if w else ""
+                                       for name, w in workloads.items()}, pods, rejections)
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
-                                   conversion)
+                                   conversion, refusals)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
 
 
@@ -173,18 +189,40 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _call_later(delay: float, call: Callable[[], object]) -> None:
+    timer = threading.Timer(delay, call)
+    timer.daemon = True
+    timer.start()
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Children of one generation the API server rejected, and when to try them again."""
+
+    generation: int
+    rejections: list[Rejection]
+    attempts: int
+    retry_at: float  # time.monotonic()
+
+
 class Reconciler:
     """Runs decide() for each deployment, never twice at once, and carries out the decision."""
 
     def __init__(self, kube: Kube, store: Store,
                  render_configs: Callable[[Mapping[str, Any], DeploymentPlan],
-                                          dict[str, str]]) -> None:
+                                          dict[str, str]],
+                 clock: Callable[[], float] = time.monotonic,
+                 schedule: Callable[[float, Callable[[], object]], None] | None = None
+                 ) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
+        # When a backoff's retry is due, and how to be called back then (a timer thread).
+        self._clock, self._schedule = clock, schedule or _call_later
         self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
         self._guard = threading.Lock()
         self._running: set[tuple[str, str]] = set()  # being reconciled now
         self._dirty: set[tuple[str, str]] = set()  # to go round again when that run ends
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
+        self._backoffs: dict[str, Backoff] = {}  # uid -> the rejected apply being retried
 
     def _intent(self, md: Obj) -> Intent:
         meta = md["metadata"]
@@ -198,6 +236,7 @@ class Reconciler:
     def forget(self, uid: str) -> None:
         """Drop what is cached for a deleted deployment."""
         self._intents.pop(uid, None)
+        self._backoffs.pop(uid, None)
 
     def reconcile(self, namespace: str, name: str) -> Decision | None:
         """Reconcile one deployment; if it is already being reconciled, have that run go
@@ -227,8 +266,7 @@ class Reconciler:
             if md is None or md["metadata"].get("deletionTimestamp"):
                 return None  # gone or going: owner references garbage-collect the children
             try:
-                decision = decide(md, self.store.owned_by(namespace, name), self._intent(md),
-                                  _now())
+                decision = self._decide_and_apply(md)
                 self._carry_out(md, decision)
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
@@ -236,13 +274,67 @@ class Reconciler:
             metrics.RECONCILES.labels("ok").inc()
             return decision
 
-    def _carry_out(self, md: Obj, decision: Decision) -> None:
-        # Applied in parallel, wave by wave: a RoleBinding is checked against its Role, and
-        # a Deployment's pods need their ServiceAccount and ConfigMaps.
-        for wave in _apply_waves(decision.apply):
-            for applied in self._pool.map(self.kube.apply, wave):
-                self.store.put(applied)  # write-through: the next decide sees it
+    def _decide_and_apply(self, md: Obj) -> Decision:
+        """decide(), then apply what it asks for. Children the API server rejects are
+        reported in status (decided again with them) and retried with exponential backoff;
+        each retry logs one line. A rejected generation applies nothing until its retry is
+        due; an edited spec (a new generation) is tried at once."""
+        meta = md["metadata"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        generation = int(meta.get("generation", 0))
+        held = self._backoffs.get(uid)
+        if held is not None and held.generation != generation:
+            held = None
+        rejected = held.rejections if held else []
+        intent = self._intent(md)
+        decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected)
+        if not decision.apply or (held is not None and self._clock() < held.retry_at):
+            return replace(decision, apply=[])
+        rejections = self._apply(decision.apply)
+        if not rejections:
+            self._backoffs.pop(uid, None)
+        else:
+            attempts = held.attempts + 1 if held else 1
+            delay = backoff_seconds(attempts)
+            self._backoffs[uid] = Backoff(generation, rejections, attempts,
+                                          self._clock() + delay)
+            said = "; ".join(r.refusal().message for r in rejections).replace("\n", " ")
+            log.warning("%s/%s: %s; retry %d in %gs", namespace, name, said, attempts, delay)
+            self._schedule(delay, lambda: self.reconcile(namespace, name))
+        if rejections != rejected:  # status reports what this apply found
+            return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
+                                  rejections), apply=decision.apply)
+        return decision
+
+    def _apply(self, objs: list[Obj]) -> list[Rejection]:
+        """Apply in parallel, wave by wave: a RoleBinding is checked against its Role, and
+        a Deployment's pods need their ServiceAccount and ConfigMaps; so after a wave with a
+        rejected child, the later waves wait. Returns the rejections."""
+        applied = 0
+        rejections: list[Rejection] = []
+        for wave in _apply_waves(objs):
+            for result in self._pool.map(self._try_apply, wave):
+                if isinstance(result, Rejection):
+                    rejections.append(result)
+                    continue
+                self.store.put(result)  # write-through: the next decide sees it
                 metrics.WRITES.labels("apply").inc()
+                applied += 1
+            if rejections:
+                break
+        if applied:
+            log.info("%s/%s: applied %d", objs[0]["metadata"]["namespace"],
+                     objs[0]["metadata"]["labels"][c.LABEL_DEPLOYMENT], applied)
+        return rejections
+
+    def _try_apply(self, obj: Obj) -> Obj | Rejection:
+        try:
+            return self.kube.apply(obj)
+        except RejectedError as e:
+            return e.rejection
+
+    def _carry_out(self, md: Obj, decision: Decision) -> None:
+        """Prune, write status and post events (applying happened in _decide_and_apply)."""
         for obj in decision.prune:
             self.kube.delete(obj)
             self.store.drop(obj)
@@ -254,9 +346,9 @@ class Reconciler:
             self.kube.post_event(md, event_type(cond), cond["reason"],
                                  f"{cond['type']} is {cond['status']}: {cond['message']}")
             metrics.WRITES.labels("event").inc()
-        if decision.apply or decision.prune:
-            log.info("%s/%s: applied %d, pruned %d", md["metadata"]["namespace"],
-                     md["metadata"]["name"], len(decision.apply), len(decision.prune))
+        if decision.prune:
+            log.info("%s/%s: pruned %d", md["metadata"]["namespace"], md["metadata"]["name"],
+                     len(decision.prune))
 
     def resync(self) -> int:
         """Reconcile every known deployment; returns how many made any request."""
