@@ -124,10 +124,11 @@ def staging_bytes(
     workers: int,
 ) -> int:
     """Staging a prefill rank needs to convert for any peer: one chunk per transfer worker,
-    sized for the largest layout a peer of this model can have."""
+    sized for the largest layout it converts to (a peer with its own layout needs none)."""
     pages = -(-chunk_tokens // page_size)
     per_page = 0
     for item_len in item_lens:
         mine = own_layout(kv_cache_dtype, item_len // page_size, dsa)
-        per_page += max(c.token_bytes for c in peer_candidates(mine, dsa)) * page_size
+        others = [c.token_bytes for c in peer_candidates(mine, dsa) if c != mine]
+        per_page += max(others) * page_size
     return workers * pages * per_page
