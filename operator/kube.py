@@ -58,13 +58,14 @@ class Kube:
 
     def request(self, method: str, path: str, body: Any = None,
                 query: list[tuple[str, str]] | None = None,
-                content_type: str = "application/json") -> Any:
-        """One API call; the decoded JSON answer. Raises kubernetes.client.ApiException."""
+                content_type: str = "application/json", timeout: float | None = None) -> Any:
+        """One API call; the decoded JSON answer. Raises kubernetes.client.ApiException, or
+        urllib3's errors when the API server cannot be reached within `timeout` seconds."""
         params = self._client.param_serialize(
             method=method, resource_path=path, query_params=query or [], body=body,
             header_params={"Accept": "application/json", "Content-Type": content_type},
             auth_settings=["BearerToken"])
-        response = self._client.call_api(*params)
+        response = self._client.call_api(*params, _request_timeout=timeout)
         response.read()
         return self._client.response_deserialize(response, {"2XX": "object"}).data
 
