@@ -16,19 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kubernetes.client import ApiException
 from tessera.operator import constants as c
 from tessera.operator import metrics
-from tessera.operator.children import child_name, desired_children, phases_of
+from tessera.operator.children import child_name, desired_children, phases_of, workload_kind
 from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
-from tessera.operator.kube import Kube
+from tessera.operator.kube import CHILD_KINDS, Kube
 from tessera.operator.refusals import (
     RejectedError,
     Rejection,
     backoff_seconds,
     observe_refusals,
 )
-from tessera.operator.status import build_status, observe_workload
+from tessera.operator.status import Workload, build_status, observe_group_set, observe_workload
 from tessera.operator.weights import (
     conversion_phase,
     converter_job_child,
@@ -146,10 +147,11 @@ def intend(md: Mapping[str, Any],
 
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
-           now: str, rejections: Sequence[Rejection] = ()) -> Decision:
+           now: str, rejections: Sequence[Rejection] = (),
+           unserved_kinds: frozenset[str] = frozenset()) -> Decision:
     """Everything one reconcile must do, from the parent, its intent, what it owns (its
-    children, their pods, the runtime's events) and the children the API server rejected
-    when last applied (pure)."""
+    children, their pods, the runtime's events), the children the API server rejected
+    when last applied and the optional child kinds the cluster does not serve (pure)."""
     meta, spec = md["metadata"], md["spec"]
     children = {k: o for k, o in owned.items() if o["kind"] not in _OBSERVED_ONLY}
     pods = [o for o in owned.values() if o["kind"] == "Pod"]
@@ -166,23 +168,51 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
         conversion = observe_conversion(phase, name,
                                         children.get(("Job", meta["namespace"], name)))
         if not conversion.ready:
-            held.add(("Deployment", meta["namespace"], child_name(meta["name"], phase)))
+            held.add((workload_kind(spec, phase), meta["namespace"],
+                      child_name(meta["name"], phase)))
     # A spec the plan refuses gets no children; one that turned bad keeps the children it
     # has (a bad edit must not take a serving model down). A held Deployment already there is
     # kept as it is.
     if intent.admitted:
+        # A kind the cluster does not serve cannot be applied: reported as rejected instead.
+        unserved = [d for d in intent.desired if d["kind"] in unserved_kinds]
+        rejections = [*rejections, *map(_not_served, unserved)]
+        held |= {key_of(d) for d in unserved}
         apply = [d for d in intent.desired
                  if key_of(d) not in held and needs_apply(d, children.get(key_of(d)))]
         wanted = {key_of(d) for d in intent.desired}
-        prune = [o for k, o in children.items() if k not in wanted]
-    workloads = {component: observe_workload(
-        children.get(("Deployment", meta["namespace"], child_name(meta["name"], component))))
-        for component in (*phases_of(spec), c.ROUTER)}
+        # What an unserved child would replace (a phase's Deployment) keeps serving.
+        kept = {d["metadata"]["name"] for d in unserved}
+        prune = [o for k, o in children.items() if k not in wanted and k[2] not in kept]
+    workloads = {component: _observe(spec, children, meta["namespace"], meta["name"], component)
+                 for component in (*phases_of(spec), c.ROUTER)}
     refusals = observe_refusals(spec, {name: w.replica_failure if w else ""
                                        for name, w in workloads.items()}, pods, rejections)
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
                                    conversion, refusals)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
+
+
+def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], namespace: str, name: str,
+             component: str) -> Workload | None:
+    """A component's workload as status reads it (the router is always a Deployment)."""
+    child = child_name(name, component)
+    if component != c.ROUTER and workload_kind(spec, component) == c.LWS_KIND:
+        return observe_group_set(children.get((c.LWS_KIND, namespace, child)))
+    return observe_workload(children.get(("Deployment", namespace, child)))
+
+
+# Child kinds a cluster may lack (their CRD is installed separately), and what to do about it.
+OPTIONAL_KINDS = {c.LWS_KIND: (
+    "install LeaderWorkerSet (sigs.k8s.io/lws, v0.7.0 or newer) for replicas wider than one "
+    "node, or lower tensorParallel to nodePool.gpu.perNode")}
+
+
+def _not_served(obj: Obj) -> Rejection:
+    kind = obj["kind"]
+    return Rejection(kind, obj["metadata"]["name"], 404,
+                     f"this cluster does not serve {kind} ({obj['apiVersion']}): "
+                     f"{OPTIONAL_KINDS[kind]}")
 
 
 def _now() -> str:
@@ -223,6 +253,7 @@ class Reconciler:
         self._dirty: set[tuple[str, str]] = set()  # to go round again when that run ends
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
         self._backoffs: dict[str, Backoff] = {}  # uid -> the rejected apply being retried
+        self._served: dict[str, bool] = {}  # optional kind -> does the cluster serve it
 
     def _intent(self, md: Obj) -> Intent:
         meta = md["metadata"]
@@ -232,6 +263,17 @@ class Reconciler:
             cached = (generation, intend(md, self._render))
             self._intents[meta["uid"]] = cached
         return cached[1]
+
+    def _unserved(self, intent: Intent) -> frozenset[str]:
+        """The optional kinds `intent` wants that the cluster does not serve. Discovery is
+        asked the first time a kind is wanted; a kind found missing is asked again after each
+        resync, so installing it later is noticed within one resync period."""
+        wanted = {d["kind"]: d["apiVersion"] for d in intent.desired if d["kind"] in OPTIONAL_KINDS}
+        for kind, api_version in wanted.items():
+            if kind not in self._served:
+                self._served[kind] = self.kube.serves(api_version,
+                                                      CHILD_KINDS[(api_version, kind)])
+        return frozenset(kind for kind in wanted if not self._served[kind])
 
     def forget(self, uid: str) -> None:
         """Drop what is cached for a deleted deployment."""
@@ -287,7 +329,9 @@ class Reconciler:
             held = None
         rejected = held.rejections if held else []
         intent = self._intent(md)
-        decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected)
+        unserved = self._unserved(intent)
+        decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected,
+                          unserved)
         if not decision.apply or (held is not None and self._clock() < held.retry_at):
             return replace(decision, apply=[])
         rejections = self._apply(decision.apply)
@@ -303,7 +347,7 @@ class Reconciler:
             self._schedule(delay, lambda: self.reconcile(namespace, name))
         if rejections != rejected:  # status reports what this apply found
             return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
-                                  rejections), apply=decision.apply)
+                                  rejections, unserved), apply=decision.apply)
         return decision
 
     def _apply(self, objs: list[Obj]) -> list[Rejection]:
@@ -332,6 +376,12 @@ class Reconciler:
             return self.kube.apply(obj)
         except RejectedError as e:
             return e.rejection
+        except ApiException as e:
+            # An optional kind whose CRD was removed since discovery found it.
+            if e.status != 404 or obj["kind"] not in OPTIONAL_KINDS:
+                raise
+            self._served[obj["kind"]] = False
+            return _not_served(obj)
 
     def _carry_out(self, md: Obj, decision: Decision) -> None:
         """Prune, write status and post events (applying happened in _decide_and_apply)."""
@@ -353,6 +403,7 @@ class Reconciler:
     def resync(self) -> int:
         """Reconcile every known deployment; returns how many made any request."""
         busy = 0
+        self._served = {kind: True for kind, served in self._served.items() if served}
         deployments = self.store.deployments()
         metrics.DEPLOYMENTS.set(len(deployments))
         for namespace, name in deployments:
@@ -362,11 +413,12 @@ class Reconciler:
         return busy
 
 
-_LATE_KINDS = ("RoleBinding", "Deployment")
+_LATE_KINDS = ("RoleBinding", "Deployment", c.LWS_KIND)
 
 
 def _apply_waves(objs: list[Obj]) -> list[list[Obj]]:
-    """Everything else first, then RoleBindings, then Deployments (empty waves dropped)."""
+    """Everything else first, then RoleBindings, then Deployments, then LeaderWorkerSets
+    (empty waves dropped)."""
     waves = [[o for o in objs if o["kind"] not in _LATE_KINDS],
              *([o for o in objs if o["kind"] == kind] for kind in _LATE_KINDS)]
     return [wave for wave in waves if wave]
