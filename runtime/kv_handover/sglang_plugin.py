@@ -358,10 +358,13 @@ def _install_decode(common_cls: Any, receiver_cls: Any, info_cls: Any) -> None:
         )
         try:
             response = requests.get(url, timeout=5)
-        except requests.RequestException:
-            return ensure(self, bootstrap_addr)  # SGLang logs it and retries
+        except requests.RequestException as e:
+            log.warning("prefill %s bootstrap not reachable yet: %s", bootstrap_addr, e)
+            return False  # the scheduler asks again, as with SGLang's own check
         if response.status_code != 200:
-            return ensure(self, bootstrap_addr)
+            log.warning("prefill %s not ready: %s %s", bootstrap_addr, response.status_code,
+                        response.text)
+            return False
         info = info_cls(**response.json())
         mine = self.kv_cache_dtype_str
         prefill_dtype = info.kv_cache_dtype

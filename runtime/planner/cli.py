@@ -113,6 +113,9 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
             rows.append((f"requests @ {plan.context_length:,}",
                          [f"{p.max_concurrent_requests:,}" for p in plans]))
         lines += _table(headers, rows)
+        if chosen.handover_staging_bytes_per_gpu:
+            lines.append(f"handover staging {chosen.handover_staging_bytes_per_gpu / 2**30:.2f} "
+                         "GiB/GPU: this prefill converts its KV into the decode's KV dtype")
     if transfers:
         lines += ["", *_transfer_table(transfers, plan.context_length)]
     lines.append("")

@@ -64,3 +64,22 @@ def kv_sizing_bytes_per_token(arch: Architecture, kv_dtype: str, attention_tp: i
 def _index_key_bytes(arch: Architecture) -> int:
     """One token's indexer key in one layer: FP8 values plus an FP32 scale per 128."""
     return arch.index_head_dim + -(-arch.index_head_dim // FP8_SCALE_BLOCK) * FP8_SCALE_BYTES
+
+
+# The prefill converts each chunk into the decode's layout in a staging buffer before sending
+# (docs/kv-handover.md): one buffer per transfer worker, each one chunk of converted latents.
+HANDOVER_CHUNK_TOKENS = 8192  # SGLang's chunked-prefill size on an H200: tokens per chunk sent
+HANDOVER_TRANSFER_WORKERS = 4  # SGLang's transfer queues (SGLANG_DISAGGREGATION_QUEUE_SIZE)
+
+
+def handover_staging_bytes_per_gpu(arch: Architecture, prefill_kv: str, decode_kv: str) -> int:
+    """Staging memory a prefill GPU holds to convert its KV into the decode's dtype: none when
+    the dtypes match (SGLang sends the pool's pages as they are). The indexer keys of a DSA
+    model are the same bytes in both pools and go straight from the pool, so only the
+    latents are staged."""
+    if prefill_kv == decode_kv:
+        return 0
+    latents = kv_bytes_per_token_per_gpu(arch, decode_kv, attention_tp=1)
+    if arch.has_indexer:
+        latents -= arch.num_hidden_layers * _index_key_bytes(arch)
+    return HANDOVER_TRANSFER_WORKERS * HANDOVER_CHUNK_TOKENS * latents

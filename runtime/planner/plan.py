@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tessera.runtime.capabilities import FP8_KV_MIN_COMPUTE_CAPABILITY, KV_HANDOFF_CONVERSIONS
+from tessera.runtime.fetch.source import REMOTE_SCHEMES
 from tessera.runtime.planner.architecture import Architecture, resolve_architecture
 from tessera.runtime.planner.engine import (
     GiB,
@@ -23,6 +24,7 @@ from tessera.runtime.planner.engine import (
 from tessera.runtime.planner.errors import PlanError
 from tessera.runtime.planner.kv import (
     KV_DTYPES,
+    handover_staging_bytes_per_gpu,
     kv_bytes_per_token_per_gpu,
     kv_sizing_bytes_per_token,
 )
@@ -31,6 +33,7 @@ from tessera.runtime.planner.weights import (
     QUANTIZABLE,
     Module,
     WeightScheme,
+    checkpoint_bytes,
     weight_bytes_per_gpu,
 )
 
@@ -109,6 +112,9 @@ class PhasePlan:
     concurrency_at: dict[int, int]  # context length -> concurrent requests (TABLE_CONTEXTS)
     weights_fit: bool
     fits: bool  # the weights fit and one request of context_length fits
+    # Prefill only: staging to convert its KV into the decode's dtype at the handover; it comes
+    # out of the memory SGLang keeps beside the static pool (activations, CUDA graphs).
+    handover_staging_bytes_per_gpu: int = 0
 
     def to_status(self) -> dict[str, Any]:
         s = self.spec
@@ -126,6 +132,7 @@ class PhasePlan:
                 "maxConcurrentRequests": self.max_concurrent_requests,
                 "maxConcurrentRequestsAt": {str(k): v for k, v in self.concurrency_at.items()},
                 "fits": self.fits,
+                "handoverStagingGiBPerGPU": _gib(self.handover_staging_bytes_per_gpu),
             },
         }
 
@@ -181,7 +188,12 @@ def plan_deployment(spec: Mapping[str, Any]) -> DeploymentPlan:
         plan = plan_phase(arch, phase, context, memory_bytes)
         findings += _capacity_findings(plan, memory_bytes)
         plans[phase.name] = plan
-    findings += _handoff_rules(plans)
+    findings += _handoff_rules(plans, arch)
+    findings += _download_findings(spec, phases, arch)
+    if "prefill" in plans and "decode" in plans:
+        staging = handover_staging_bytes_per_gpu(
+            arch, plans["prefill"].spec.kv_dtype, plans["decode"].spec.kv_dtype)
+        plans["prefill"] = replace(plans["prefill"], handover_staging_bytes_per_gpu=staging)
     if arch.max_position_embeddings is not None and context > arch.max_position_embeddings:
         findings.append(Finding(
             "warning", "ContextBeyondModel",
@@ -348,17 +360,38 @@ def _capacity_findings(plan: PhasePlan, memory_bytes: int) -> list[Finding]:
     return []
 
 
-def _handoff_rules(plans: Mapping[str, PhasePlan]) -> list[Finding]:
+def _download_findings(spec: Mapping[str, Any], phases: list[PhaseSpec],
+                       arch: Architecture) -> list[Finding]:
+    """hf/s3/gs weights without a cache claim are downloaded by every pod at every start."""
+    out = []
+    for phase in phases:
+        weights = spec[phase.name].get("weights") or {}
+        uri = str(weights.get("uri", ""))
+        if uri.partition("://")[0] not in REMOTE_SCHEMES or (weights.get("cache") or {}).get(
+                "pvc"):
+            continue
+        size = checkpoint_bytes(arch, phase.weights)
+        out.append(Finding(
+            "warning", "WeightsDownloadedPerReplica",
+            f"{phase.name}: every replica ({phase.replicas}) downloads about {size / 1e9:.0f} GB "
+            f"from {uri} at each start (no weights.cache); name a claim in weights.cache.pvc "
+            "to fetch once and mount it read-only.", CAPACITY))
+    return out
+
+
+def _handoff_rules(plans: Mapping[str, PhasePlan], arch: Architecture) -> list[Finding]:
     if "prefill" not in plans or "decode" not in plans:
         return []
     pair = (plans["prefill"].spec.kv_dtype, plans["decode"].spec.kv_dtype)
-    if pair[0] == pair[1] or pair in KV_HANDOFF_CONVERSIONS:
+    if pair[0] == pair[1] or (pair in KV_HANDOFF_CONVERSIONS and arch.is_mla):
         return []
+    why = ("the handover conversion handles MLA latents only and this model's attention is "
+           "GQA/MHA" if pair in KV_HANDOFF_CONVERSIONS else
+           "this runtime has no conversion for that pair")
     return [Finding(
         "error", "KVCacheDtypeMismatch",
-        f"prefill stores its KV cache as {pair[0]} and decode as {pair[1]}, but the KV "
-        "transfer copies raw pages and this runtime has no conversion for that pair; use the "
-        "same kvCache.dtype in both phases.", PRECISION)]
+        f"prefill stores its KV cache as {pair[0]} and decode as {pair[1]}, but {why}; use "
+        "the same kvCache.dtype in both phases.", PRECISION)]
 
 
 # ---------------------------------------------------------------------------- spec reading

@@ -265,13 +265,32 @@ def test_int4_prefill_is_a_warning():
     assert cond.status and "slower" in cond.message
 
 
-def test_kv_dtype_mismatch_rejected_unless_runtime_converts(monkeypatch):
+def test_mla_kv_dtypes_convert_at_the_handover_and_stage_on_the_prefill(monkeypatch):
     fp8_decode = {**INT4_DECODE, "kvCache": {"dtype": "fp8_e4m3"}}
     plan = plan_deployment(spec(prefill=FP8_PREFILL, decode=fp8_decode))
+    assert plan.ok, plan.findings
+    # 4 transfer workers x 8192 tokens x 61 layers x 576 FP8 latent bytes
+    assert plan.phases["prefill"].handover_staging_bytes_per_gpu == 4 * 8192 * 61 * 576
+    assert plan.phases["decode"].handover_staging_bytes_per_gpu == 0
+    fp8_prefill = {**FP8_PREFILL, "kvCache": {"dtype": "fp8_e4m3"}}
+    back = plan_deployment(spec(prefill=fp8_prefill, decode=INT4_DECODE))
+    assert back.ok and back.phases["prefill"].handover_staging_bytes_per_gpu == (
+        4 * 8192 * 61 * 1152)
+    same = plan_deployment(spec(prefill=FP8_PREFILL, decode=INT4_DECODE))
+    assert same.phases["prefill"].handover_staging_bytes_per_gpu == 0
+    monkeypatch.setattr(plan_module, "KV_HANDOFF_CONVERSIONS", frozenset())
+    plan = plan_deployment(spec(prefill=FP8_PREFILL, decode=fp8_decode))
     assert not plan.ok and plan.condition("PrecisionValid").reason == "KVCacheDtypeMismatch"
-    monkeypatch.setattr(plan_module, "KV_HANDOFF_CONVERSIONS",
-                        frozenset({("bf16", "fp8_e4m3")}))
-    assert plan_deployment(spec(prefill=FP8_PREFILL, decode=fp8_decode)).ok
+
+
+def test_gqa_kv_dtype_mismatch_is_refused():
+    gqa = {"tensorParallel": 1, "weights": {"dtype": "bf16"}}
+    manifest = spec(prefill={**gqa, "kvCache": {"dtype": "bf16"}},
+                    decode={**gqa, "kvCache": {"dtype": "fp8_e4m3"}})
+    manifest["model"]["architecture"] = {"config": SMALL_GQA}
+    manifest["model"]["contextLength"] = 4096
+    cond = plan_deployment(manifest).condition("PrecisionValid")
+    assert cond.reason == "KVCacheDtypeMismatch" and "MLA latents only" in cond.message
 
 
 def test_weights_that_do_not_fit_give_the_numbers():

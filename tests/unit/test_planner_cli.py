@@ -61,10 +61,20 @@ def test_json_matches_the_plan(tmp_path, capsys):
 
 
 def test_error_findings_exit_1(tmp_path, capsys):
+    one_gpu = {"tensorParallel": 1, "weights": {"dtype": "fp8"}, "kvCache": {"dtype": "bf16"}}
+    assert main(["plan", str(manifest(tmp_path, prefill=one_gpu))]) == 1
+    assert "InsufficientGPUMemory" in capsys.readouterr().out
+
+
+def test_the_report_configuration_shows_its_handover_staging(tmp_path, capsys):
     bf16_kv_prefill = {"tensorParallel": 8, "weights": {"dtype": "fp8"},
                        "kvCache": {"dtype": "bf16"}}
-    assert main(["plan", str(manifest(tmp_path, prefill=bf16_kv_prefill))]) == 1
-    assert "KVCacheDtypeMismatch" in capsys.readouterr().out
+    model = {"name": "moonshotai/Kimi-K2", "architecture": {"preset": "kimi-k2"},
+             "contextLength": 32768}
+    assert main(["plan", str(manifest(tmp_path, prefill=bf16_kv_prefill, model=model))]) == 0
+    out = capsys.readouterr().out
+    staging = next(line for line in out.splitlines() if "handover staging" in line)
+    assert f"{4 * 8192 * 61 * 576 / 2**30:.2f}" in staging  # the FP8 latents of 4 chunks
 
 
 @pytest.mark.parametrize(("content", "needle"), [
