@@ -241,3 +241,13 @@ def test_rbac_covers_leader_worker_sets_and_nothing_more() -> None:
     rules = {(g, r): v for g, r, v in c.RBAC_RULES if g == "leaderworkerset.x-k8s.io"}
     assert rules == {("leaderworkerset.x-k8s.io", "leaderworkersets"):
                      ("get", "list", "watch", "create", "patch", "delete")}
+
+
+def test_a_hand_edit_of_the_group_set_is_restored_alone() -> None:
+    md, owned = converge(kimi())
+    key = (c.LWS_KIND, "llm", "kimi-k2-prefill")
+    owned[key]["spec"]["leaderWorkerTemplate"]["size"] = 3
+    owned[key]["spec"]["networkConfig"] = {"subdomainPolicy": "Shared"}  # LWS's default: fine
+    decision = decide(md, owned, intend(md, render_configs), NOW)
+    assert [key_of(o) for o in decision.apply] == [key]
+    assert decision.apply[0]["spec"]["leaderWorkerTemplate"]["size"] == 2
