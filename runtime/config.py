@@ -156,10 +156,6 @@ class DisaggregationConfig(_Frozen):
     ib_devices: tuple[str, ...] = ()
     allow_tcp: bool = False  # RDMA devices missing: start over TCP instead of refusing
     kv_checksum: bool = False  # SGLang's PD checksum; must be the same on both roles
-    # Prefill only: the KV dtypes of the decode pools it hands over to. One other than its own
-    # KV dtype turns the handover conversion on (docs/kv-handover.md); each decode peer's layout
-    # is still learnt at bootstrap, so this only says that staging memory is budgeted.
-    peer_kv_dtypes: tuple[KVDtype, ...] = ()
 
     @model_validator(mode="after")
     def _devices_need_rdma(self) -> Self:
