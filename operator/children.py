@@ -21,6 +21,7 @@ from typing import Any
 
 from tessera.operator import constants as c
 from tessera.runtime import planner
+from tessera.runtime.fetch.source import cache_dir, fetch_argv
 
 Obj = dict[str, Any]
 
@@ -82,16 +83,45 @@ def _runtime_env() -> list[Obj]:
             {"name": c.ENV_RUNTIME_CONFIG, "value": f"{c.CONFIG_MOUNT_DIR}/{c.CONFIG_KEY}"}]
 
 
-def _models_volume(uri: str) -> Obj | None:
-    """pvc://claim/dir mounts the claim read-only; hf/s3/gs get scratch space to fetch into;
-    file:// needs nothing (the path is in the image or on the node)."""
+def fetch_container(image: str, uri: str, credentials_secret: str | None,
+                    mount: Obj) -> Obj:
+    """`tessera-runtime fetch URI` into `mount`; the Secret's keys become its environment
+    (never the operator's to read). Its one-line outcome is the termination message."""
+    return {"name": "fetch", "image": image, "command": fetch_argv(uri, mount["mountPath"]),
+            **({"envFrom": [{"secretRef": {"name": credentials_secret}}]}
+               if credentials_secret else {}),
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": [mount]}
+
+
+def _models(phase_spec: Mapping[str, Any], image: str,
+            checkpoint_bytes: int) -> tuple[Obj | None, Obj | None, list[Obj]]:
+    """The engine pod's models volume, its mount and the init containers that fill it:
+    - pvc://claim/dir: the claim, read-only;
+    - hf/s3/gs with weights.cache.pvc: the cache claim's folder for that URI, read-only
+      (a fetch Job filled it before this phase rolled out, weights.py);
+    - hf/s3/gs without a cache: an emptyDir of the checkpoint's size, filled by an init
+      container at every pod start;
+    - file:// needs nothing (the path is in the image or on the node)."""
+    weights = phase_spec["weights"]
+    uri = weights["uri"]
     scheme, _, rest = uri.partition("://")
+    mount = {"name": "models", "mountPath": c.MODELS_DIR, "readOnly": True}
     if scheme == "file":
-        return None
+        return None, None, []
     if scheme == "pvc":
-        return {"name": "models", "persistentVolumeClaim": {"claimName": rest.split("/")[0],
-                                                            "readOnly": True}}
-    return {"name": "models", "emptyDir": {}}
+        return ({"name": "models", "persistentVolumeClaim": {"claimName": rest.split("/")[0],
+                                                             "readOnly": True}}, mount, [])
+    claim = weights.get("cache", {}).get("pvc")
+    if claim:
+        return ({"name": "models", "persistentVolumeClaim": {"claimName": claim,
+                                                             "readOnly": True}},
+                {**mount, "subPath": cache_dir(uri)}, [])
+    # Room for the checkpoint plus 5% (file-system overhead, the fetch's own state).
+    size = {"sizeLimit": str(checkpoint_bytes + checkpoint_bytes // 20)} if checkpoint_bytes else {}
+    fetch = fetch_container(image, uri, weights.get("credentialsSecret"),
+                            {"name": "models", "mountPath": c.MODELS_DIR})
+    return {"name": "models", "emptyDir": size}, mount, [fetch]
 
 
 def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
@@ -171,7 +201,8 @@ def _group_env() -> list[Obj]:
              "value": f"$({c.LWS_ENV_LEADER_ADDRESS}):{c.PORT_DIST_INIT}"}]
 
 
-def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
+                        checkpoint_bytes: int = 0) -> Obj:
     """The engine pod of `phase`: the same for a Deployment's pods and for every pod of a
     LeaderWorkerSet group (leader and workers run the same runtime config; only their rank
     differs, and LWS provides it)."""
@@ -179,8 +210,8 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str) -> 
     phase_spec = spec[phase]
     multi_node = nodes_per_replica(spec, phase) > 1
     gpus = str(gpus_per_pod(phase_spec, gpus_per_node(spec)))
-    models_volume = _models_volume(phase_spec["weights"]["uri"])
-    uri_is_pvc = models_volume is not None and "persistentVolumeClaim" in models_volume
+    models_volume, models_mount, init_containers = _models(phase_spec, spec["engine"]["image"],
+                                                           checkpoint_bytes)
     labels = selector_labels(name, phase)
     # The runtime config is mounted, not part of the template: its hash in the template is what
     # rolls this phase's pods (and only this phase's) when its config changes.
@@ -211,14 +242,13 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str) -> 
         "livenessProbe": _http_probe("/health", 30, 5),
         "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
                          {"name": "shm", "mountPath": "/dev/shm"},
-                         *([{"name": "models", "mountPath": c.MODELS_DIR,
-                             **({"readOnly": True} if uri_is_pvc else {})}]
-                           if models_volume else [])],
+                         *([models_mount] if models_mount else [])],
     }
     pod_spec = {
         **phase_scheduling(spec, phase),
         **host_network,
         "serviceAccountName": child_name(name, c.ENGINE),
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": [
             {"name": "config",
@@ -233,7 +263,8 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str) -> 
             "spec": pod_spec}
 
 
-def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str,
+                      checkpoint_bytes: int = 0) -> Obj:
     name = md["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",
@@ -245,12 +276,13 @@ def engine_deployment(md: Mapping[str, Any], phase: str, config_text: str) -> Ob
             # Never two copies of a replica's GPUs at once: roll by replacing, one at a time.
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": engine_pod_template(md, phase, config_text),
+            "template": engine_pod_template(md, phase, config_text, checkpoint_bytes),
         },
     }
 
 
-def engine_group_set(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+def engine_group_set(md: Mapping[str, Any], phase: str, config_text: str,
+                     checkpoint_bytes: int = 0) -> Obj:
     """A LeaderWorkerSet: one group of `nodes_per_replica` pods per replica."""
     spec, name = md["spec"], md["metadata"]["name"]
     return {
@@ -268,16 +300,19 @@ def engine_group_set(md: Mapping[str, Any], phase: str, config_text: str) -> Obj
                 "size": nodes_per_replica(spec, phase),
                 # One rank lost stalls the whole replica's collectives: restart them together.
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "workerTemplate": engine_pod_template(md, phase, config_text),
+                "workerTemplate": engine_pod_template(md, phase, config_text,
+                                                      checkpoint_bytes),
             },
         },
     }
 
 
-def engine_workload(md: Mapping[str, Any], phase: str, config_text: str) -> Obj:
+def engine_workload(md: Mapping[str, Any], phase: str, config_text: str,
+                    checkpoint_bytes: int = 0) -> Obj:
+    """`checkpoint_bytes` sizes the volume a pod fetches its weights into (0: unbounded)."""
     if workload_kind(md["spec"], phase) == c.LWS_KIND:
-        return engine_group_set(md, phase, config_text)
-    return engine_deployment(md, phase, config_text)
+        return engine_group_set(md, phase, config_text, checkpoint_bytes)
+    return engine_deployment(md, phase, config_text, checkpoint_bytes)
 
 
 def engine_service(md: Mapping[str, Any], phase: str) -> Obj:
@@ -392,9 +427,11 @@ def engine_identity(md: Mapping[str, Any]) -> list[Obj]:
 
 
 def desired_children(md: Mapping[str, Any], configs: Mapping[str, str],
-                     extra: Sequence[Obj] = ()) -> list[Obj]:
-    """Every child of `md`, given the rendered config text of each phase and the router, and
-    `extra` children built elsewhere (the weight conversion Job, weights.py).
+                     extra: Sequence[Obj] = (),
+                     checkpoint_bytes: Mapping[str, int] | None = None) -> list[Obj]:
+    """Every child of `md`, given the rendered config text of each phase and the router,
+    `extra` children built elsewhere (the weight fetch and conversion Jobs, weights.py) and
+    the planner's checkpoint size per phase.
 
     Each child carries a hash of itself, so the reconciler can tell a changed desire from an
     unchanged one without a write (see apply.needs_apply).
@@ -402,7 +439,8 @@ def desired_children(md: Mapping[str, Any], configs: Mapping[str, str],
     children: list[Obj] = engine_identity(md)
     for phase in phases_of(md["spec"]):
         children += [config_map(md, phase, configs[phase]),
-                     engine_workload(md, phase, configs[phase]),
+                     engine_workload(md, phase, configs[phase],
+                                     (checkpoint_bytes or {}).get(phase, 0)),
                      engine_service(md, phase),
                      disruption_budget(md, phase)]
     children += router_children(md, configs[c.ROUTER])

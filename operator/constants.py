@@ -19,6 +19,8 @@ PHASES = (PREFILL, DECODE, SINGLE)
 ROUTER = "router"
 # The Job that converts a phase's weights to INT4 before that phase rolls out (weights.py).
 CONVERTER = "convert"
+# The Job that fetches hf/s3/gs weights into a cache claim (weights.cache.pvc), weights.py.
+FETCHER = "fetch"
 # The engine pods' own identity: a ServiceAccount that may only create events (KV integrity).
 ENGINE = "engine"
 
@@ -91,7 +93,8 @@ PRECISION_VALID = "PrecisionValid"
 CAPACITY_PLANNED = "CapacityPlanned"
 KV_INTEGRITY = "KVIntegrity"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, PRECISION_VALID, CAPACITY_PLANNED, KV_INTEGRITY)
-# Only on a deployment that converts its weights (weights.convertFrom), after the others.
+# Only on a deployment whose weights a Job fetches (weights.cache) or converts
+# (weights.convertFrom), after the others.
 WEIGHTS_READY = "WeightsReady"
 
 # Every API call the operator makes: (apiGroup, resource, verbs). Least-privilege RBAC is

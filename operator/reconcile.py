@@ -31,11 +31,10 @@ from tessera.operator.refusals import (
 )
 from tessera.operator.status import Workload, build_status, observe_group_set, observe_workload
 from tessera.operator.weights import (
-    conversion_phase,
-    converter_job_child,
-    job_name,
-    largest_tensor_bytes,
-    observe_conversion,
+    checkpoint_sizes,
+    observe_job,
+    weights_job_children,
+    weights_jobs,
 )
 from tessera.runtime.planner import DeploymentPlan, PlanError, plan_deployment
 
@@ -140,10 +139,9 @@ def intend(md: Mapping[str, Any],
     plan, error = plan_spec(md["spec"])
     if plan is None or not plan.ok:
         return Intent(plan, error, [])
-    phase = conversion_phase(md["spec"])
-    jobs = ([converter_job_child(md, phase, largest_tensor_bytes(plan.architecture))]
-            if phase else [])
-    return Intent(plan, error, desired_children(md, render_configs(md, plan), jobs))
+    jobs = weights_job_children(md, plan.architecture)
+    return Intent(plan, error, desired_children(md, render_configs(md, plan), jobs,
+                                                checkpoint_sizes(plan)))
 
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
@@ -159,17 +157,14 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
                   and o.get("reason") == c.EVENT_REASON_KV_MISMATCH]
     apply: list[Obj] = []
     prune: list[Obj] = []
-    # A phase whose weights are converted waits for the conversion Job to succeed.
-    phase = conversion_phase(spec)
-    conversion = None
-    held: set[Key] = set()
-    if phase is not None:
-        name = job_name(md, phase)
-        conversion = observe_conversion(phase, name,
-                                        children.get(("Job", meta["namespace"], name)))
-        if not conversion.ready:
-            held.add((workload_kind(spec, phase), meta["namespace"],
-                      child_name(meta["name"], phase)))
+    # A phase whose weights a Job fetches or converts waits for that Job to succeed.
+    sizes = checkpoint_sizes(intent.plan) if intent.plan is not None else {}
+    weights = [observe_job(ref, children.get(("Job", meta["namespace"], ref.name)),
+                           sizes.get(ref.phases[0], 0) if ref.action == c.FETCHER else 0)
+               for ref in weights_jobs(md)]
+    held: set[Key] = {(workload_kind(spec, phase), meta["namespace"],
+                       child_name(meta["name"], phase))
+                      for job in weights if not job.ready for phase in job.ref.phases}
     # A spec the plan refuses gets no children; one that turned bad keeps the children it
     # has (a bad edit must not take a serving model down). A held Deployment already there is
     # kept as it is.
@@ -189,7 +184,7 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     refusals = observe_refusals(spec, {name: w.replica_failure if w else ""
                                        for name, w in workloads.items()}, pods, rejections)
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
-                                   conversion, refusals)
+                                   weights, refusals)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
 
 

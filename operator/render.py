@@ -30,7 +30,9 @@ from tessera.runtime.planner import DeploymentPlan
 
 def checkpoint_path(uri: str) -> str:
     """Where the checkpoint is inside the pod: pvc://claim/dir is mounted at /models/dir,
-    file:///dir is used in place, hf/s3/gs are fetched into /models."""
+    file:///dir is used in place; hf/s3/gs are at /models, which is either the cache claim's
+    folder for the URI (filled once by a fetch Job) or the pod's own volume (filled by its
+    fetch init container before the engine starts): children.py."""
     scheme, _, rest = uri.partition("://")
     if scheme == "file":
         return "/" + rest.lstrip("/")

@@ -21,7 +21,7 @@ from tessera.operator.conditions import (
     merge_conditions,
 )
 from tessera.operator.refusals import Refusal, first_reason
-from tessera.operator.weights import Conversion, weights_condition
+from tessera.operator.weights import WeightsJob, weights_condition
 from tessera.runtime.planner import DeploymentPlan, PlanError
 
 Obj = dict[str, Any]
@@ -216,26 +216,26 @@ def _phase_status(phase_spec: Mapping[str, Any], workload: Workload | None,
 def build_status(md: Mapping[str, Any], plan: DeploymentPlan | None, error: PlanError | None,
                  workloads: Mapping[str, Workload | None],
                  mismatch_events: Sequence[Mapping[str, Any]],
-                 now: str, conversion: Conversion | None = None,
+                 now: str, weights: Sequence[WeightsJob] = (),
                  refusals: Sequence[Refusal] = ()) -> tuple[Obj, list[Condition]]:
     """The whole new status, and the conditions that changed since the old one.
 
     `workloads` maps each phase and "router" to its observed Deployment (None: absent);
     `plan` is None when the planner could not read the spec (then `error` says why);
-    `conversion` is the weight conversion Job of a spec that asks for one (WeightsReady);
+    `weights` are the fetch and conversion Jobs the phases wait for (WeightsReady);
     `refusals` are what the cluster or the engine refused (refusals.py).
     """
     spec, generation = md["spec"], md["metadata"].get("generation", 1)
     old = md.get("status") or {}
     admitted = plan is not None and plan.ok
-    waiting = ({conversion.phase: conversion.message}
-               if conversion is not None and not conversion.ready else {})
+    waiting = {phase: job.message for job in weights if not job.ready
+               for phase in job.ref.phases}
     conditions = [*rollout_conditions(workloads, admitted, generation, waiting, refusals),
                   *plan_conditions(plan, error, generation),
                   kv_integrity_condition(spec.get("integrity", {}).get("enabled", False),
                                          mismatch_events, generation)]
-    if conversion is not None:
-        conditions.append(weights_condition(conversion, generation))
+    if weights:
+        conditions.append(weights_condition(weights, generation))
     merged, changed = merge_conditions(old.get("conditions", []), conditions, now)
     phases = phases_of(spec)
     status: Obj = {"observedGeneration": generation, "conditions": merged}

@@ -9,14 +9,16 @@ from typing import Any
 import pytest
 import yaml
 from tessera.operator import constants as c
-from tessera.operator.reconcile import Key, decide, intend, key_of
+from tessera.operator.reconcile import Key, decide, intend, key_of, plan_spec
 from tessera.operator.render import render_configs
 from tessera.operator.weights import (
     BACKOFF_LIMIT,
-    conversion_phase,
+    checkpoint_sizes,
     converter_job_child,
+    fetch_job_name,
     job_name,
     largest_tensor_bytes,
+    weights_jobs,
 )
 from tessera.runtime.planner import resolve_architecture
 from tessera.runtime.quantize.job import converter_job
@@ -139,7 +141,7 @@ def test_job_name_follows_what_it_converts() -> None:
 def test_a_spec_without_conversion_has_no_job_and_no_weights_condition() -> None:
     md = yaml.safe_load(EXAMPLE.read_text())
     md["metadata"].update(namespace="llm", uid="uid-1", generation=1)
-    assert conversion_phase(md["spec"]) is None
+    assert weights_jobs(md) == []
     decision = decide(md, {}, intend(md, render_configs), NOW)
     assert "Job" not in {o["kind"] for o in decision.apply}
     assert c.WEIGHTS_READY not in conds(decision)
@@ -196,3 +198,152 @@ def test_a_changed_source_prunes_the_old_job() -> None:
     decision = decide(md, {key_of(old): old}, intend(md, render_configs), NOW)
     assert [o["metadata"]["name"] for o in decision.prune] == [old["metadata"]["name"]]
     assert ("Job", job_name(md, c.DECODE)) in applied(decision)
+
+
+# ---------------------------------------------------------------- fetching hf/s3/gs weights
+
+
+def fetching(uri: str = "s3://weights/kimi-int4", claim: str | None = "model-cache",
+             secret: str | None = "s3-reader") -> dict[str, Any]:
+    md = yaml.safe_load(EXAMPLE.read_text())
+    md["metadata"].update(namespace="llm", uid="uid-1", generation=1)
+    weights = md["spec"]["decode"]["weights"]
+    weights["uri"] = uri
+    if claim:
+        weights["cache"] = {"pvc": claim}
+    if secret:
+        weights["credentialsSecret"] = secret
+    return md
+
+
+def jobs_of(md: dict[str, Any]) -> list[dict[str, Any]]:
+    return [o for o in intend(md, render_configs).desired if o["kind"] == "Job"]
+
+
+def engine_pod(decision_or_md: Any, phase: str = "decode") -> dict[str, Any]:
+    desired = intend(decision_or_md, render_configs).desired
+    (dep,) = [o for o in desired if o["kind"] == "Deployment"
+              and o["metadata"]["name"] == f"kimi-k2-{phase}"]
+    return dep["spec"]["template"]["spec"]
+
+
+def test_a_cache_claim_gets_one_fetch_job_that_fails_fast_on_permanent_errors() -> None:
+    md = fetching()
+    (job,) = jobs_of(md)
+    name = fetch_job_name(md, "s3://weights/kimi-int4", "model-cache")
+    assert job["metadata"]["name"] == name and name.startswith("kimi-k2-fetch-")
+    spec = job["spec"]
+    assert spec["backoffLimit"] == BACKOFF_LIMIT
+    assert spec["podFailurePolicy"] == {"rules": [{"action": "FailJob", "onExitCodes": {
+        "containerName": "fetch", "operator": "In", "values": [2, 20, 21]}}]}
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200",
+                                   "tessera.dev/pool": "decode"}
+    assert pod["volumes"] == [{"name": "cache",
+                               "persistentVolumeClaim": {"claimName": "model-cache"}}]
+    (container,) = pod["containers"]
+    assert container["command"] == ["tessera-runtime", "fetch", "s3://weights/kimi-int4",
+                                    "/models"]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-reader"}}]
+    assert container["volumeMounts"] == [{"name": "cache", "mountPath": "/models",
+                                          "subPath": "s3/weights/kimi-int4"}]
+    assert spec["template"]["metadata"]["labels"][c.LABEL_PHASE] == c.FETCHER
+
+
+def test_phase_waits_for_its_fetch_then_mounts_the_cache_read_only() -> None:
+    md = fetching()
+    waiting = run(md, {"active": 1})
+    assert ("Deployment", "kimi-k2-decode") not in applied(waiting)
+    assert ("Deployment", "kimi-k2-prefill") in applied(waiting)
+    weights = conds(waiting)[c.WEIGHTS_READY]
+    assert (weights["status"], weights["reason"]) == ("False", "Fetching")
+    assert "fetching s3://weights/kimi-int4 (about 553 GiB): 1 pod(s) running" in \
+        weights["message"]
+    assert "decode waits for its weights" in conds(waiting)[c.READY]["message"]
+    done = run(md, {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+    assert ("Deployment", "kimi-k2-decode") in applied(done)
+    weights = conds(done)[c.WEIGHTS_READY]
+    assert (weights["status"], weights["reason"]) == ("True", "Fetched")
+    pod = engine_pod(md)
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache",
+                                                        "readOnly": True}} in pod["volumes"]
+    (engine,) = pod["containers"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True,
+            "subPath": "s3/weights/kimi-int4"} in engine["volumeMounts"]
+    assert "initContainers" not in pod
+
+
+def test_a_refused_credential_is_a_fetch_failure_that_says_so() -> None:
+    decision = run(fetching(), {"failed": 1, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+         "message": "Container fetch for pod llm/kimi-k2-fetch-x failed with exit code 20 "
+                    "matching FailJob rule at index 0"}]})
+    weights = conds(decision)[c.WEIGHTS_READY]
+    assert (weights["status"], weights["reason"]) == ("False", "FetchFailed")
+    assert "failed: the store refused the credentials; PodFailurePolicy" in weights["message"]
+    assert "kubectl logs job/kimi-k2-fetch-" in weights["message"]
+    assert ("Deployment", "kimi-k2-decode") not in applied(decision)
+
+
+def test_a_new_revision_makes_a_new_job_and_the_phase_rolls_only_after_it() -> None:
+    old_md = fetching("hf://moonshotai/Kimi-K2-Instruct-w4a16@aaaa", secret=None)
+    new_md = fetching("hf://moonshotai/Kimi-K2-Instruct-w4a16@bbbb", secret=None)
+    (old_job,), (new_job,) = jobs_of(old_md), jobs_of(new_md)
+    assert old_job["metadata"]["name"] != new_job["metadata"]["name"]
+    old_pod, new_pod = engine_pod(old_md), engine_pod(new_md)
+    mounts = [m for m in new_pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+    assert mounts[0]["subPath"] == "hf/moonshotai/Kimi-K2-Instruct-w4a16@bbbb"
+    assert old_pod != new_pod  # the template changes: the phase rolls
+    done = with_status(old_job, {"conditions": [{"type": "Complete", "status": "True"}]})
+    decision = decide(new_md, {key_of(done): done}, intend(new_md, render_configs), NOW)
+    assert [o["metadata"]["name"] for o in decision.prune] == [old_job["metadata"]["name"]]
+    got = applied(decision)
+    assert ("Job", new_job["metadata"]["name"]) in got
+    assert ("Deployment", "kimi-k2-decode") not in got  # the running pods stay until it is done
+
+
+def test_phases_fetching_the_same_uri_into_one_claim_share_one_job() -> None:
+    md = fetching("hf://org/model")
+    md["spec"]["prefill"]["weights"] = {**md["spec"]["decode"]["weights"], "dtype": "int4"}
+    (ref,) = weights_jobs(md)
+    assert ref.phases == ("prefill", "decode")
+    decision = run(md, None)
+    got = applied(decision)
+    assert not {("Deployment", "kimi-k2-prefill"), ("Deployment", "kimi-k2-decode")} & got
+
+
+def test_without_a_cache_every_pod_fetches_into_a_volume_of_the_checkpoint_size() -> None:
+    md = fetching("hf://moonshotai/Kimi-K2-Instruct-w4a16", claim=None, secret="hf-token")
+    assert jobs_of(md) == []
+    plan, _ = plan_spec(md["spec"])
+    assert plan is not None
+    size = checkpoint_sizes(plan)["decode"]
+    pod = engine_pod(md)
+    assert {"name": "models", "emptyDir": {"sizeLimit": str(size + size // 20)}} in pod["volumes"]
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"] == ["tessera-runtime", "fetch",
+                                "hf://moonshotai/Kimi-K2-Instruct-w4a16", "/models"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert fetch["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
+    (engine,) = pod["containers"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
+    assert any(f.reason == "WeightsDownloadedPerReplica" and "every replica (2) downloads about"
+               in f.message for f in plan.findings)
+
+
+def test_conversion_from_the_hub_fetches_the_source_into_the_output_claim_first() -> None:
+    md = converting(source="hf://moonshotai/Kimi-K2-Instruct@abc123")
+    md["spec"]["decode"]["weights"]["credentialsSecret"] = "hf-token"
+    (job,) = jobs_of(md)
+    pod = job["spec"]["template"]["spec"]
+    fetch, convert = pod["initContainers"]
+    folder = ".sources/hf/moonshotai/Kimi-K2-Instruct@abc123"
+    assert fetch["command"][:3] == ["tessera-runtime", "fetch",
+                                    "hf://moonshotai/Kimi-K2-Instruct@abc123"]
+    assert fetch["volumeMounts"] == [{"name": "output", "mountPath": "/models/source",
+                                      "subPath": folder, "readOnly": False}]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert {"name": "output", "mountPath": "/models/source", "subPath": folder,
+            "readOnly": True} in convert["volumeMounts"]
+    assert [v["name"] for v in pod["volumes"]] == ["output"]
