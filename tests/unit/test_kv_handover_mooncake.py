@@ -1,0 +1,163 @@
+"""The PD handover through SGLang's real Mooncake transfer, two pools per KV dtype, on loopback.
+
+Four processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
+server) over Mooncake's TCP transport on host memory: a BF16 and an FP8 prefill, a BF16 and an
+FP8 decode, all with the tessera handover plugin. Each decode takes requests from both prefills
+(BF16->FP8, FP8->BF16, BF16->BF16, FP8->FP8), in several chunks, and must hold exactly the bytes
+SGLang's own ``set_kv_buffer`` writes for the values the prefill holds. A request is aborted
+halfway; a prefill that does not convert is refused with a reason naming both sides; the decode
+serves the next request after each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+pytest.importorskip("sglang.srt.disaggregation.mooncake.conn", reason="needs SGLang (no deps)")
+
+from tessera.runtime.quantize.synthetic import TINY_CONFIGS  # noqa: E402
+
+PEER = Path(__file__).with_name("kv_handover_peer.py")
+SUCCESS, FAILED = 4, 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pages(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+def _start(tmp: Path, name: str, spec: dict) -> subprocess.Popen:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    return subprocess.Popen([sys.executable, str(PEER), str(path)], stdout=log, stderr=log, env=env)
+
+
+@pytest.fixture(scope="module")
+def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("handover")
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({**TINY_CONFIGS["deepseek-v3"], "torch_dtype": "bfloat16"})
+    )
+    ports = {name: _free_port() for name in ("bf16", "fp8", "plain")}
+    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    # (room, prefill, decode, prefill pages, decode pages, pages per chunk)
+    plan = [
+        (11, "bf16", "fp8_e4m3", _pages(1, 12), _pages(40, 12), 4),
+        (12, "fp8", "bf16", _pages(1, 9), _pages(20, 9), 2),
+        (13, "bf16", "bf16", _pages(14, 5), _pages(2, 5), 5),
+        (14, "fp8", "fp8_e4m3", _pages(20, 7), _pages(3, 7), 3),
+        (15, "bf16", "bf16", _pages(30, 6), _pages(50, 6), 3),  # to the FP8 decode's twin
+        (16, "fp8", "fp8_e4m3", _pages(30, 4), _pages(20, 4), 1),
+    ]
+    decode_requests: dict[str, list] = {"bf16": [], "fp8_e4m3": []}
+    prefill_requests: dict[str, list] = {"bf16": [], "fp8": []}
+    for room, prefill, decode, ppages, dpages, per_chunk in plan:
+        prefill_dtype = "bf16" if prefill == "bf16" else "fp8_e4m3"
+        prefill_requests[prefill].append(
+            {"room": room, "prefill_pages": ppages, "pages_per_chunk": per_chunk}
+        )
+        decode_requests[decode].append(
+            {"room": room, "bootstrap_addr": addr[prefill], "prefill_pages": ppages,
+             "decode_pages": dpages, "prefill_dtype": prefill_dtype}
+        )
+    # An FP8 decode aborts a long BF16 request halfway, then asks a prefill that does not
+    # convert (it registered without the handover plugin), then serves one more request.
+    prefill_requests["bf16"].append(
+        {"room": 21, "prefill_pages": _pages(40, 16), "pages_per_chunk": 1, "chunk_gap_s": 0.5}
+    )
+    decode_requests["fp8_e4m3"] += [
+        {"room": 21, "bootstrap_addr": addr["bf16"], "prefill_pages": _pages(40, 16),
+         "decode_pages": _pages(10, 16), "prefill_dtype": "bf16", "abort_after_s": 2.0},
+        {"room": 22, "bootstrap_addr": addr["plain"], "prefill_pages": _pages(1, 2),
+         "decode_pages": _pages(30, 2), "prefill_dtype": "bf16"},
+        {"room": 23, "bootstrap_addr": addr["bf16"], "prefill_pages": _pages(60, 3),
+         "decode_pages": _pages(33, 3), "prefill_dtype": "bf16"},
+    ]
+    prefill_requests["bf16"].append(
+        {"room": 23, "prefill_pages": _pages(60, 3), "pages_per_chunk": 2}
+    )
+    procs = []
+    try:
+        for name, dtype in (("bf16", "bf16"), ("fp8", "fp8_e4m3")):
+            procs.append(_start(tmp, f"prefill-{name}", {
+                "role": "prefill", "dtype": dtype, "plugin": True, "model": str(model),
+                "bootstrap_port": ports[name], "requests": prefill_requests[name],
+                "done_file": str(tmp / f"prefill-{name}.done"),
+            }))
+        procs.append(_start(tmp, "prefill-plain", {
+            "role": "prefill", "dtype": "bf16", "plugin": False, "model": str(model),
+            "bootstrap_port": ports["plain"], "requests": [],
+            "done_file": str(tmp / "prefill-plain.done"),
+        }))
+        reports = {}
+        decodes = {}
+        for dtype in ("bf16", "fp8_e4m3"):
+            reports[dtype] = tmp / f"decode-{dtype}.report"
+            decodes[dtype] = _start(tmp, f"decode-{dtype}", {
+                "role": "decode", "dtype": dtype, "plugin": True, "model": str(model),
+                "bootstrap_port": _free_port(), "requests": decode_requests[dtype],
+                "report": str(reports[dtype]),
+            })
+            procs.append(decodes[dtype])
+        deadline = time.time() + 420
+        for dtype, proc in decodes.items():
+            while proc.poll() is None and time.time() < deadline:
+                time.sleep(1)
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log"))
+        )
+        results = {}
+        for dtype, path in reports.items():
+            assert path.exists(), f"decode {dtype} wrote no report\n{logs}"
+            for entry in json.loads(path.read_text()):
+                results[entry["room"]] = entry
+        return {"results": results, "logs": logs}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "room", [11, 12, 13, 14, 15, 16, 23],
+    ids=["bf16->fp8", "fp8->bf16", "bf16->bf16", "fp8->fp8", "bf16->bf16b", "fp8->fp8b",
+         "after-abort-and-refusal"],
+)
+def test_pages_hold_sglangs_own_bytes(handover: dict, room: int) -> None:
+    entry = handover["results"][room]
+    assert entry["status"] == SUCCESS, f"{entry}\n{handover['logs']}"
+    assert entry["exact"], f"room {room}: decode pages differ from SGLang's own write"
+    assert entry["aux"] == room % 251  # the request's metadata came with its last chunk
+
+
+def test_aborted_request_fails_and_the_decode_goes_on(handover: dict) -> None:
+    entry = handover["results"][21]
+    assert entry["status"] == FAILED
+    assert "Aborted" in (entry["reason"] or "")
+    assert handover["results"][23]["status"] == SUCCESS
+
+
+def test_prefill_without_conversion_is_refused_by_name(handover: dict) -> None:
+    entry = handover["results"][22]
+    assert entry["status"] == FAILED
+    reason = entry["reason"] or ""
+    assert "prefill 127.0.0.1:" in reason and "kv_cache_dtype=bf16" in reason
+    assert "kv_cache_dtype=fp8_e4m3" in reason and "does not convert" in reason
