@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from tessera.operator import constants as c
 from tessera.operator.reconcile import (
@@ -21,6 +22,7 @@ from tessera.operator.reconcile import (
 )
 from tessera.operator.reconcile import decide as decide_with
 from tessera.operator.render import render_configs
+from tessera.runtime.planner import plan as plan_module
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-kimi-k2" / "modeldeployment.yaml"
 NOW = "2026-01-01T00:00:00Z"
@@ -84,7 +86,7 @@ def test_a_new_deployment_gets_every_child_and_a_status() -> None:
 def test_ready_once_every_deployment_is_ready() -> None:
     md, owned = converge(kimi(), ready=True)
     assert md["status"]["summary"] == {"replicas": "prefill 1/1, decode 2/2",
-                                       "kvCache": "prefill=fp8_e4m3 decode=fp8_e4m3",
+                                       "kvCache": "prefill=bf16 decode=fp8_e4m3",
                                        "weights": "prefill=fp8 decode=int4"}
     assert md["status"]["endpoint"] == "http://kimi-k2-router.llm.svc:8000/v1"
     got = {x["type"]: x["status"] for x in md["status"]["conditions"]}
@@ -122,9 +124,10 @@ def test_a_child_no_longer_wanted_is_pruned() -> None:
     assert decide(md, owned, NOW).prune == [stray]
 
 
-def test_a_kv_dtype_pair_the_transfer_cannot_carry_gets_no_children() -> None:
+def test_a_kv_dtype_pair_the_transfer_cannot_carry_gets_no_children(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_module, "KV_HANDOFF_CONVERSIONS", frozenset())  # no conversion
     md = kimi()
-    md["spec"]["prefill"]["kvCache"]["dtype"] = "bf16"
     decision = decide(md, {}, NOW)
     assert decision.apply == [] and decision.prune == []
     got = conditions(decision)
@@ -142,9 +145,21 @@ def test_weights_that_do_not_fit_get_capacity_planned_false() -> None:
     assert conditions(decision)["CapacityPlanned"] == ("False", "InsufficientGPUMemory")
 
 
-def test_a_spec_turned_bad_keeps_the_running_children() -> None:
+def test_a_decode_kv_dtype_change_rolls_only_the_decode_pool() -> None:
     md, owned = converge(kimi(), ready=True)
     md["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
+    md["metadata"]["generation"] = 2
+    decision = decide(md, owned, NOW)
+    assert {key_of(o) for o in decision.apply} == {
+        ("ConfigMap", "llm", "kimi-k2-decode-config"), ("Deployment", "llm", "kimi-k2-decode")}
+    assert conditions(decision)["PrecisionValid"][0] == "True"
+
+
+def test_a_spec_turned_bad_keeps_the_running_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    md, owned = converge(kimi(), ready=True)
+    monkeypatch.setattr(plan_module, "KV_HANDOFF_CONVERSIONS", frozenset())
+    md["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
+    md["spec"]["prefill"]["kvCache"]["dtype"] = "fp8_e4m3"
     md["metadata"]["generation"] = 2
     decision = decide(md, owned, NOW)
     assert decision.apply == [] and decision.prune == []
