@@ -160,7 +160,7 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     # A phase whose weights a Job fetches or converts waits for that Job to succeed.
     sizes = checkpoint_sizes(intent.plan) if intent.plan is not None else {}
     weights = [observe_job(ref, children.get(("Job", meta["namespace"], ref.name)),
-                           sizes.get(ref.phases[0], 0) if ref.action == c.FETCHER else 0)
+                           sizes.get(ref.phases[0], 0) if ref.action == c.FETCHER else 0, pods)
                for ref in weights_jobs(md)]
     held: set[Key] = {(workload_kind(spec, phase), meta["namespace"],
                        child_name(meta["name"], phase))

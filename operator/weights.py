@@ -227,9 +227,27 @@ def _failure_words(message: str) -> str:
     return next((f"{why}; " for f, why in _WHY.items() if f == code), "")
 
 
+def _fetch_outcome(job_name: str, pods: Sequence[Mapping[str, Any]]) -> str:
+    """The one line the last failed fetch container of `job_name`'s pods left as its
+    termination message (it names the source and the cause), or ""."""
+    outcomes = []
+    for pod in pods:
+        if pod["metadata"].get("labels", {}).get("job-name") != job_name:
+            continue
+        st = pod.get("status", {})
+        for cs in [*st.get("initContainerStatuses", []), *st.get("containerStatuses", [])]:
+            done = cs.get("state", {}).get("terminated") or {}
+            if cs.get("name") == "fetch" and done.get("exitCode") and done.get("message"):
+                outcomes.append((str(done.get("finishedAt", "")), " ".join(
+                    str(done["message"]).split())))
+    return max(outcomes)[1] if outcomes else ""
+
+
 def observe_job(ref: WeightsJobRef, job: Mapping[str, Any] | None,
-                checkpoint_bytes: int = 0) -> WeightsJob:
-    """`checkpoint_bytes`: the planner's size of what is fetched (0: unknown)."""
+                checkpoint_bytes: int = 0, pods: Sequence[Mapping[str, Any]] = ()
+                ) -> WeightsJob:
+    """`checkpoint_bytes`: the planner's size of what is fetched (0: unknown); `pods`: the
+    deployment's observed pods (a failed fetch's pod says why)."""
     name, (doing, done) = ref.name, _VERB[ref.action]
     phases = " and ".join(ref.phases)
     if job is None:
@@ -243,10 +261,11 @@ def observe_job(ref: WeightsJobRef, job: Mapping[str, Any] | None,
     if "Failed" in conds:
         cond = conds["Failed"]
         words = _failure_words(cond.get("message", "")) if ref.action == c.FETCHER else ""
+        said = _fetch_outcome(name, pods)
         return WeightsJob(ref, FAILED, f"Job {name} failed: {words}{cond.get('reason', '')}: "
-                          f"{cond.get('message', '')} (the reason: kubectl logs job/{name}; "
-                          "fix the cause, then change the spec or delete the Job to run it "
-                          "again)")
+                          f"{cond.get('message', '')}{f'; the fetch said: {said}' if said else ''}"
+                          f" (logs: kubectl logs job/{name}; fix the cause, then change the "
+                          "spec or delete the Job to run it again)")
     size = f" (about {checkpoint_bytes / GiB:.0f} GiB)" if checkpoint_bytes else ""
     return WeightsJob(ref, RUNNING,
                       f"Job {name} {doing} {ref.source}{size}: {int(st.get('active', 0))} "

@@ -286,6 +286,29 @@ def test_a_refused_credential_is_a_fetch_failure_that_says_so() -> None:
     assert ("Deployment", "kimi-k2-decode") not in applied(decision)
 
 
+def test_fetch_failed_quotes_the_line_the_fetch_pod_left() -> None:
+    md = fetching()
+    (job,) = jobs_of(md)
+    name = job["metadata"]["name"]
+    said = ("s3://weights: the store refused the credentials (HTTP 403 SignatureDoesNotMatch); "
+            "check the Secret named in weights.credentialsSecret")
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{name}-x1", "namespace": "llm", "resourceVersion": "9",
+                        "labels": {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: c.FETCHER,
+                                   "job-name": name}},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "fetch", "state": {
+               "terminated": {"exitCode": 20, "message": said + "\n",
+                              "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
+    failed = with_status(job, {"failed": 1, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+         "message": "Container fetch for pod llm/x failed with exit code 20 matching FailJob "
+                    "rule at index 0"}]})
+    owned = {key_of(failed): failed, key_of(pod): pod}
+    decision = decide(md, owned, intend(md, render_configs), NOW)
+    message = conds(decision)[c.WEIGHTS_READY]["message"]
+    assert f"the fetch said: {said} (logs: kubectl logs job/{name}" in message
+
+
 def test_a_new_revision_makes_a_new_job_and_the_phase_rolls_only_after_it() -> None:
     old_md = fetching("hf://moonshotai/Kimi-K2-Instruct-w4a16@aaaa", secret=None)
     new_md = fetching("hf://moonshotai/Kimi-K2-Instruct-w4a16@bbbb", secret=None)
