@@ -152,6 +152,12 @@ def tiny(name: str) -> dict[str, Any]:
     }
 
 
+# A small dense GQA model: the handover converts MLA latents only, so its KV dtypes must match.
+TINY_GQA = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 1024,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+            "intermediate_size": 512, "tie_word_embeddings": True}
+
+
 def get_md(kubectl: Callable[..., Any], namespace: str, name: str) -> dict[str, Any]:
     return json.loads(kubectl("get", "md", name, "-n", namespace, "-o", "json").stdout)
 
@@ -191,7 +197,7 @@ def test_example_applies_converges_and_reports(operator: Operator, kubectl: Any,
 
     row = kubectl("get", "md", "kimi-k2", "-n", namespace).stdout
     assert "prefill 1/1, decode 2/2" in row
-    assert "prefill=fp8_e4m3 decode=fp8_e4m3" in row
+    assert "prefill=bf16 decode=fp8_e4m3" in row  # each phase its own KV dtype
     wide = kubectl("get", "md", "kimi-k2", "-n", namespace, "-o", "wide").stdout
     assert "prefill=fp8 decode=int4" in wide and f"kimi-k2-router.{namespace}.svc:8000" in wide
 
@@ -228,26 +234,44 @@ def test_decode_change_rolls_only_decode_pods(operator: Operator, kubectl: Any,
     prefill, decode = (pod_uids(kubectl, namespace, p) for p in ENGINE_PHASES)
     assert len(prefill) == 1 and len(decode) == 2
 
+    # New decode weights and a new decode KV dtype (FP8 -> BF16): the FP8 prefill converts
+    # for the new decode pods, so nothing about the prefill changes.
     changed = tiny("roll")
     changed["spec"]["decode"]["weights"]["groupSize"] = 32
+    changed["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
     apply(kubectl, namespace, changed)
+    serving: list[tuple[int, int]] = []  # ready (prefill, decode) pods at each look
+
+    def ready_pods(phase: str) -> int:
+        deployment = json.loads(kubectl("get", "deployment", f"roll-{phase}", "-n", namespace,
+                                        "-o", "json").stdout)
+        return int(deployment.get("status", {}).get("readyReplicas", 0))
 
     def rolled() -> bool:
         md = get_md(kubectl, namespace, "roll")
+        serving.append((ready_pods("prefill"), ready_pods("decode")))
         new = pod_uids(kubectl, namespace, "decode")
         return (md["status"]["observedGeneration"] == 2 and len(new) == 2
                 and not new & decode and conditions(md)["Ready"]["status"] == "True")
 
     poll("decode pods replaced and Ready", rolled, timeout=90)
+    md = get_md(kubectl, namespace, "roll")
     assert pod_uids(kubectl, namespace, "prefill") == prefill
+    # Both pools kept serving while the decode pool rolled (Ready itself is False while any
+    # replica is not yet updated: that is the operator's definition of Ready).
+    assert all(p >= 1 and d >= 2 for p, d in serving), serving
+    assert md["status"]["decode"]["precision"]["kvCache"] == "bf16"
+    assert md["status"]["prefill"]["precision"]["kvCache"] == "fp8_e4m3"
 
 
 def test_kv_dtype_pair_the_transfer_cannot_carry_is_refused_in_place(
         operator: Operator, kubectl: Any, namespace: str) -> None:
-    apply(kubectl, namespace, tiny("pair"))
+    gqa = tiny("pair")
+    gqa["spec"]["model"]["architecture"] = {"config": TINY_GQA}
+    apply(kubectl, namespace, gqa)
     wait_ready(kubectl, namespace, "pair")
     before = {p: pod_uids(kubectl, namespace, p) for p in ENGINE_PHASES}
-    bad = tiny("pair")
+    bad = copy.deepcopy(gqa)
     bad["spec"]["decode"]["kvCache"]["dtype"] = "bf16"
     apply(kubectl, namespace, bad)
     md = poll("PrecisionValid False", lambda: (m := get_md(kubectl, namespace, "pair"))
@@ -259,7 +283,8 @@ def test_kv_dtype_pair_the_transfer_cannot_carry_is_refused_in_place(
 
 
 @pytest.mark.parametrize("edit, condition, reason", [
-    (lambda s: s["prefill"]["kvCache"].update(dtype="bf16"), "PrecisionValid",
+    (lambda s: (s["model"].update(architecture={"config": TINY_GQA}),
+                s["prefill"]["kvCache"].update(dtype="bf16")), "PrecisionValid",
      "KVCacheDtypeMismatch"),
     (lambda s: s["model"]["architecture"].update(preset="kimi-k2", config={}), "CapacityPlanned",
      "InsufficientGPUMemory"),
