@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
-    HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -60,7 +59,8 @@ def hub_error(source: Source, error: BaseException) -> FetchError:
                           f"{repo}: the Hub refused the token (HTTP {status}); {_TOKEN_HINT}")
     if status == 404:
         return FetchError(FetchFailure.NOT_FOUND, f"{repo}: not found (HTTP 404)")
-    return FetchError(FetchFailure.UNREACHABLE, f"{repo}: {describe(error)[:300]}")
+    return FetchError(FetchFailure.UNREACHABLE, f"{repo}: the Hub could not be reached or "
+                      f"failed ({describe(error)[:300]})")
 
 
 def _calling_hub(source: Source, call: Callable[[], T]) -> T:
@@ -68,9 +68,7 @@ def _calling_hub(source: Source, call: Callable[[], T]) -> T:
         return call()
     except FetchError:
         raise
-    except (HfHubHTTPError, OSError) as e:
-        raise hub_error(source, e) from None
-    except Exception as e:  # the HTTP client's own connection errors
+    except Exception as e:  # the Hub's HTTP errors and the HTTP client's connection errors
         raise hub_error(source, e) from None
 
 

@@ -280,3 +280,22 @@ def test_hub_object_that_does_not_match_its_sha256_fails_the_fetch(hub, tmp_path
     result = fetch("hf://org/tiny", tmp_path / "dest", server.env())
     assert result.returncode == FetchFailure.VERIFY, result.stderr
     assert f"{name} did not match the Hub's checksum" in result.stderr
+
+
+def test_hub_refusals_and_an_unreachable_hub_are_named(tmp_path: Path) -> None:
+    import httpx2 as httpx  # the HTTP client huggingface_hub uses
+    from huggingface_hub.errors import HfHubHTTPError
+    from tessera.runtime.fetch.hub import hub_error
+
+    source = Source.parse("hf://org/private")
+    response = httpx.Response(401, request=httpx.Request("GET", "http://hub/api/models/x"))
+    refused = hub_error(source, HfHubHTTPError("401 Client Error", response=response))
+    assert refused.failure == FetchFailure.CREDENTIALS
+    assert str(refused).startswith("hf://org/private: the Hub refused the token (HTTP 401)")
+    with __import__("socket").socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    result = fetch("hf://org/tiny", tmp_path / "dest",
+                   {"HF_ENDPOINT": f"http://127.0.0.1:{closed}", "HF_TOKEN": "hf_secretvalue"})
+    assert result.returncode == FetchFailure.UNREACHABLE, result.stderr
+    assert "hf://org/tiny: the Hub could not be reached" in result.stderr and "hf_secretvalue" not in result.stderr
