@@ -138,7 +138,7 @@ def panels() -> list[Panel]:
 
 def _variable(name: str, label: str, query: str) -> dict[str, Any]:
     return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-            "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
+            "query": query, "definition": query,
             "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
             "current": {"text": "All", "value": "$__all"}, "sort": 1}
 

@@ -208,7 +208,7 @@ def test_the_charts_dashboard_is_generated_from_code() -> None:
 def dashboard_queries() -> list[str]:
     model = json.loads(dashboard.render())
     exprs = [t["expr"] for p in model["panels"] for t in p.get("targets", [])]
-    variables = [v["query"]["query"] for v in model["templating"]["list"]
+    variables = [v["query"] for v in model["templating"]["list"]
                  if v["type"] == "query"]
     # label_values(SELECTOR, label): the selector is the part Prometheus evaluates.
     selectors = [re.fullmatch(r"label_values\((.+), *\w+\)", q)[1] for q in variables]
