@@ -300,3 +300,30 @@ def test_hub_refusals_and_an_unreachable_hub_are_named(tmp_path: Path) -> None:
     assert result.returncode == FetchFailure.UNREACHABLE, result.stderr
     assert "hf://org/tiny: the Hub could not be reached" in result.stderr
     assert "hf_secretvalue" not in result.stderr
+
+
+def test_hub_fetch_killed_midway_resumes_and_verifies(tmp_path: Path) -> None:
+    big = b"".join(os.urandom(MiB) for _ in range(96))
+    files = {"model.safetensors": big, "config.json": b"{}"}
+    lfs_repo(tmp_path / "mirrors", "org", "big", files, lfs={"model.safetensors"})
+    server = HubMirror(tmp_path / "mirrors", tmp_path)
+    try:
+        dest = tmp_path / "dest"
+        proc = fetch("hf://org/big", dest, server.env(), wait=False)
+        assert isinstance(proc, subprocess.Popen)
+        partial: list[Path] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not partial:
+            partial = [p for p in dest.rglob("*.incomplete") if p.stat().st_size > MiB]
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert partial, "the download finished before it could be killed"
+        kept = partial[0].stat().st_size
+        assert kept < len(big) and not (dest / "model.safetensors").exists()
+        resumed = fetch("hf://org/big", dest, server.env())
+        assert resumed.returncode == 0, resumed.stderr
+        assert (dest / "model.safetensors").read_bytes() == big
+        assert "0.09 of 0.09 GiB" in resumed.stderr  # verified: every byte hashed
+    finally:
+        server.stop()
