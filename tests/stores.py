@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -107,6 +109,72 @@ class S3Server(_Process):
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": secret,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true",
                 "AWS_REGION": "us-east-1"}
+
+
+class CorruptingProxy:
+    """A loopback TCP proxy in front of a server that flips the first body byte of every
+    response larger than `min_bytes`: data corrupted in transit, under valid headers."""
+
+    def __init__(self, target: str, min_bytes: int = 1 << 20) -> None:
+        self.target, self.min_bytes = target.removeprefix("http://"), min_bytes
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.corrupted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            host, port = self.target.rsplit(":", 1)
+            upstream = socket.create_connection((host, int(port)))
+            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._responses, args=(upstream, client),
+                             daemon=True).start()
+
+    @staticmethod
+    def _relay(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _responses(self, upstream: socket.socket, client: socket.socket) -> None:
+        buf = b""
+        with contextlib.suppress(OSError):
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = upstream.recv(1 << 16)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                client.sendall(head + b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                if length is None:  # no framing to follow: pass the rest through as it is
+                    client.sendall(buf)
+                    self._relay(upstream, client)
+                    return
+                left = int(length.group(1))
+                flip = left > self.min_bytes
+                while left:
+                    if not buf:
+                        buf = upstream.recv(1 << 16)
+                        if not buf:
+                            return
+                    part, buf = buf[:left], buf[left:]
+                    if flip:
+                        part = bytes([part[0] ^ 0xFF]) + part[1:]
+                        flip = False
+                        self.corrupted += 1
+                    client.sendall(part)
+                    left -= len(part)
+
+    def stop(self) -> None:
+        self._listener.close()
 
 
 def lfs_repo(root: Path, org: str, name: str, files: dict[str, bytes],

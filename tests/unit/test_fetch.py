@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stores import SECRET_KEY, HubMirror, S3Server, lfs_repo
+from stores import SECRET_KEY, CorruptingProxy, HubMirror, S3Server, lfs_repo
 from tessera.runtime.fetch.download import Progress, redact
 from tessera.runtime.fetch.source import STATE_DIR, FetchFailure, Source, SourceError, cache_dir
 from tessera.runtime.fetch.verify import (
@@ -203,6 +203,22 @@ def test_s3_corrupted_partial_is_detected_and_fetched_again(s3: S3Server, tree: 
     assert result.returncode == 0, result.stderr
     assert "md5" in result.stderr and "fetching again from the start" in result.stderr
     assert same_tree(tree, dest)
+
+
+def test_s3_object_corrupted_in_transit_fails_the_fetch_after_one_retry(
+        s3: S3Server, tmp_path: Path) -> None:
+    proxy = CorruptingProxy(s3.endpoint)
+    try:
+        result = fetch("s3://weights/source", tmp_path / "dest",
+                       {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
+    finally:
+        proxy.stop()
+    assert proxy.corrupted == 2  # the large shard, twice: the first mismatch is retried
+    assert result.returncode == FetchFailure.VERIFY, result.stderr
+    message = (tmp_path / "dest.termination").read_text()
+    assert message.startswith("model-00001-of-00001.safetensors: md5 ")
+    assert "on two downloads in a row" in message
+    assert not (tmp_path / "dest" / "model-00001-of-00001.safetensors").exists()
 
 
 def test_s3_wrong_secret_is_one_clear_line_without_the_secret(s3: S3Server,
