@@ -111,12 +111,15 @@ class S3Server(_Process):
                 "AWS_REGION": "us-east-1"}
 
 
-class CorruptingProxy:
-    """A loopback TCP proxy in front of a server that flips the first body byte of every
-    response larger than `min_bytes`: data corrupted in transit, under valid headers."""
+class Proxy:
+    """A loopback TCP proxy in front of an HTTP server. `corrupt_over`: flip the first body
+    byte of every response larger than that (data corrupted in transit, under valid headers);
+    `bytes_per_s`: pace response bodies (a slow link, so a test can kill a fetch midway)."""
 
-    def __init__(self, target: str, min_bytes: int = 1 << 20) -> None:
-        self.target, self.min_bytes = target.removeprefix("http://"), min_bytes
+    def __init__(self, target: str, corrupt_over: int | None = None,
+                 bytes_per_s: int | None = None) -> None:
+        self.target = target.removeprefix("http://")
+        self.corrupt_over, self.bytes_per_s = corrupt_over, bytes_per_s
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self.corrupted = 0
@@ -159,13 +162,15 @@ class CorruptingProxy:
                     self._relay(upstream, client)
                     return
                 left = int(length.group(1))
-                flip = left > self.min_bytes
+                flip = self.corrupt_over is not None and left > self.corrupt_over
                 while left:
                     if not buf:
                         buf = upstream.recv(1 << 16)
                         if not buf:
                             return
                     part, buf = buf[:left], buf[left:]
+                    if self.bytes_per_s:
+                        time.sleep(len(part) / self.bytes_per_s)
                     if flip:
                         part = bytes([part[0] ^ 0xFF]) + part[1:]
                         flip = False

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stores import SECRET_KEY, CorruptingProxy, HubMirror, S3Server, lfs_repo
+from stores import SECRET_KEY, HubMirror, Proxy, S3Server, lfs_repo
 from tessera.runtime.fetch.download import Progress, redact
 from tessera.runtime.fetch.source import STATE_DIR, FetchFailure, Source, SourceError, cache_dir
 from tessera.runtime.fetch.verify import (
@@ -163,16 +163,19 @@ def test_s3_fetch_killed_midway_resumes_where_it_stopped(s3: S3Server, tree: Pat
                                                         tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     partial_dir = dest / STATE_DIR / "partial"
-    proc = fetch("s3://weights/source", dest, s3.env(), "--workers", "1", wait=False)
+    slow = Proxy(s3.endpoint, bytes_per_s=16 * MiB)  # the 48 MiB shard takes 3 s
+    proc = fetch("s3://weights/source", dest, {**s3.env(), "AWS_ENDPOINT_URL": slow.endpoint},
+                 wait=False)
     assert isinstance(proc, subprocess.Popen)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill once some of the large shard is on disk
         sizes = [p.stat().st_size for p in partial_dir.glob("*")] if partial_dir.exists() else []
-        if any(s > MiB for s in sizes):
+        if any(s > 4 * MiB for s in sizes):
             break
-        time.sleep(0.002)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    slow.stop()
     (partial,) = partial_dir.glob("*")
     kept = partial.stat().st_size
     assert MiB < kept < 48 * MiB
@@ -207,7 +210,7 @@ def test_s3_corrupted_partial_is_detected_and_fetched_again(s3: S3Server, tree: 
 
 def test_s3_object_corrupted_in_transit_fails_the_fetch_after_one_retry(
         s3: S3Server, tmp_path: Path) -> None:
-    proxy = CorruptingProxy(s3.endpoint)
+    proxy = Proxy(s3.endpoint, corrupt_over=MiB)
     try:
         result = fetch("s3://weights/source", tmp_path / "dest",
                        {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
@@ -325,15 +328,18 @@ def test_hub_fetch_killed_midway_resumes_and_verifies(tmp_path: Path) -> None:
     server = HubMirror(tmp_path / "mirrors", tmp_path)
     try:
         dest = tmp_path / "dest"
-        proc = fetch("hf://org/big", dest, server.env(), wait=False)
+        slow = Proxy(server.endpoint, bytes_per_s=16 * MiB)  # the 96 MiB file takes 6 s
+        proc = fetch("hf://org/big", dest, {**server.env(), "HF_ENDPOINT": slow.endpoint},
+                     wait=False)
         assert isinstance(proc, subprocess.Popen)
         partial: list[Path] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not partial:
-            partial = [p for p in dest.rglob("*.incomplete") if p.stat().st_size > MiB]
-            time.sleep(0.002)
+            partial = [p for p in dest.rglob("*.incomplete") if p.stat().st_size > 4 * MiB]
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        slow.stop()
         assert partial, "the download finished before it could be killed"
         kept = partial[0].stat().st_size
         assert kept < len(big) and not (dest / "model.safetensors").exists()
