@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -69,28 +71,37 @@ def load_sglang_decode(path: Path):
 
 
 class PagedCase:
-    """``sets`` disjoint page sets over one pool, each ``batch`` requests of ``ctx`` tokens."""
+    """``sets`` disjoint page sets over one pool, each ``batch`` requests of ``ctx`` tokens (or of
+    ``lens[i]`` tokens, a mix, ``ctx`` then being the longest)."""
 
-    def __init__(self, batch, ctx, kv_heads, dim, page_size, bytes_per_token, with_scales=True):
-        per_set = batch * ctx * bytes_per_token
+    def __init__(self, batch, ctx, kv_heads, dim, page_size, bytes_per_token, with_scales=True,
+                 lens=None):  # fmt: skip
+        lens = list(lens) if lens is not None else [ctx] * batch
+        ctx = max(lens)
+        self.total_tokens = sum(lens)
+        per_set = self.total_tokens * bytes_per_token
         self.sets = max(1, min(16, math.ceil(4 * L2_BYTES / per_set)))
         pages_per_req = math.ceil(ctx / page_size)
         num_pages = self.sets * batch * pages_per_req
         self.batch, self.ctx, self.page_size = batch, ctx, page_size
         perm = torch.randperm(num_pages, device="cuda").view(self.sets, batch, pages_per_req)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * pages_per_req
         self.tables = [
-            PageTable(indptr, perm[s].flatten().to(torch.int32), lens, page_size, 1)
+            PageTable(indptr, perm[s].flatten().to(torch.int32), self.lens, page_size, 1)
             for s in range(self.sets)
         ]
+        self.block_tables = [perm[s].to(torch.int32).contiguous() for s in range(self.sets)]
         offs = torch.arange(page_size, device="cuda")
         token_slots = (perm[..., None] * page_size + offs).flatten(2)[..., :ctx]  # [sets, B, ctx]
-        self.sg_indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * ctx
-        self.sg_indices = [token_slots[s].flatten() for s in range(self.sets)]  # int64
+        self.sg_indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                      device="cuda")  # fmt: skip
+        self.sg_indices = [torch.cat([token_slots[s, b, :n] for b, n in enumerate(lens)])
+                           for s in range(self.sets)]  # int64  # fmt: skip
         self.sg_splits = torch.full((batch,), SGLANG_SPLITS, dtype=torch.int32, device="cuda")
         self.num_pages = num_pages
         self.token_slots = token_slots
+        self.len_list = lens
 
 
 def fp8_copies(rows_bf16: torch.Tensor):
@@ -183,41 +194,92 @@ def bench_gqa(batch, ctx, heads, kv_heads, dim, page_size, sglang, copy_bw, conf
     return row
 
 
-def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None):
+def mla_reference(q, rows, slots, lens, sm, latent, requests=4):
+    """Float64 MLA attention of the first ``requests`` requests over ``rows`` (float rows of
+    ``latent`` + rope dims, flat slots), against which every kernel's output is checked."""
+    out = []
+    for r in range(min(requests, len(lens))):
+        kv = rows[slots[r, : lens[r]]].double()  # [n, 576]
+        p = (q[r].double() @ kv.T * sm).softmax(dim=-1)
+        out.append(p @ kv[:, :latent])
+    return torch.stack(out)
+
+
+def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashmla=None,
+              lens=None, variants=None):  # fmt: skip
+    """Ours (BF16, FP8 with a scale per token) against SGLang's Triton decode and FlashMLA
+    (BF16, FP8 with one scale per tensor) on the same pages, tables and queries; ``lens`` gives
+    each request's length (a mix), ``variants`` extra configs (name -> (dtype, config)) timed
+    beside the defaults.
+    Errors are rel-L2 against the float64 reference over the BF16 pages (``err_*``) and, for
+    FP8, over that kernel's own dequantized pages (``err_*_vs_dequant``: the kernel's error
+    alone), on the first requests of set 0."""
     latent, rope = 512, 64
-    case = PagedCase(batch, ctx, 1, latent + rope, page_size, (latent + rope) * 2)
+    case = PagedCase(batch, ctx, 1, latent + rope, page_size, (latent + rope) * 2, lens=lens)
+    ctx = case.ctx
+    mixed = lens is not None
     kv = torch.randn(case.num_pages, page_size, 1, latent + rope, device="cuda").bfloat16()
     kv8, s8, kv8pt, s8pt = fp8_copies(kv)
     q = [torch.randn(batch, heads, latent + rope, device="cuda", dtype=torch.bfloat16)
          for _ in range(case.sets)]  # fmt: skip
     out = torch.empty(batch, heads, latent, device="cuda", dtype=torch.bfloat16)
     sm = (128 + rope) ** -0.5
+    plan = {"max_seq_len": ctx, "total_tokens": case.total_tokens if mixed else None}
     cfg = {"config": config} if config else {}
 
-    def ours_bf16(i):
-        return paged_decode_mla_bf16(q[i], kv, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg)
+    def ours_bf16(i, c=cfg):
+        return paged_decode_mla_bf16(q[i], kv, case.tables[i], sm, out=out, **plan, **c)
 
-    def ours_fp8(i):
-        return paged_decode_mla_fp8(
-            q[i], kv8, s8, case.tables[i], sm, max_seq_len=ctx, out=out, **cfg
-        )
+    def ours_fp8(i, c=cfg):
+        return paged_decode_mla_fp8(q[i], kv8, s8, case.tables[i], sm, out=out, **plan, **c)
 
     row = {"kind": "mla", "batch": batch, "ctx": ctx, "heads": heads, "page_size": page_size,
            "sets": case.sets}  # fmt: skip
+    if mixed:
+        row["lens"] = "mix " + "/".join(str(n) for n in sorted(set(case.len_list)))
     if config:
         row["config"] = asdict(config)
+    tokens = case.total_tokens
     row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
     row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
-    row["ours_bf16_TBps"] = batch * ctx * (latent + rope) * 2 / row["ours_bf16_us"] / 1e6
-    row["ours_fp8_TBps"] = batch * ctx * (latent + rope + 4) / row["ours_fp8_us"] / 1e6
+    row["ours_bf16_TBps"] = tokens * (latent + rope) * 2 / row["ours_bf16_us"] / 1e6
+    row["ours_fp8_TBps"] = tokens * (latent + rope + 4) / row["ours_fp8_us"] / 1e6
     row["ours_bf16_frac_copy_bw"] = row["ours_bf16_TBps"] * 1e12 / copy_bw
     row["fp8_vs_bf16"] = row["ours_bf16_us"] / row["ours_fp8_us"]
     if config:
         return row
+    flat = kv.flatten(0, 1).squeeze(1)  # [slots, 576]
+    slots0 = case.token_slots[0]
+    ref = mla_reference(q[0], flat, slots0, case.len_list, sm, latent)
+    n_ref = ref.shape[0]
+    ref_tok = mla_reference(q[0], (kv8.float() * s8.unsqueeze(-1)).flatten(0, 1).squeeze(1),
+                            slots0, case.len_list, sm, latent)  # fmt: skip
+    ref_pt = mla_reference(q[0], kv8pt.float().flatten(0, 1).squeeze(1) * s8pt, slots0,
+                           case.len_list, sm, latent)  # fmt: skip
     bf16_out = ours_bf16(0).clone()
-    fp8_out = ours_fp8(0)
+    fp8_out = ours_fp8(0).clone()
     row["rel_l2_fp8_vs_bf16"] = rel_l2(fp8_out, bf16_out)
-    if sglang:
+    row["err_ours_bf16"] = rel_l2(bf16_out[:n_ref], ref)
+    row["err_ours_fp8"] = rel_l2(fp8_out[:n_ref], ref)
+    row["err_ours_fp8_vs_dequant"] = rel_l2(fp8_out[:n_ref], ref_tok)
+    for name, (dtype, vcfg) in (variants or {}).items():
+        call = ours_fp8 if dtype == "fp8" else ours_bf16
+        try:
+            timed = functools.partial(call, c={"config": vcfg})
+            row[f"ours_{dtype}_{name}_us"] = graph_time_us(timed, case.sets)
+            v_out = timed(0)[:n_ref]
+            row[f"err_ours_{dtype}_{name}"] = rel_l2(v_out, ref)
+            if dtype == "fp8":
+                row[f"err_ours_fp8_{name}_vs_dequant"] = rel_l2(v_out, ref_tok)
+        except Exception as e:  # one broken variant must not cost the others' numbers
+            row[f"ours_{dtype}_{name}_error"] = repr(e)[:300]
+    if flashmla is not None:
+        try:
+            _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, heads, latent, ref,
+                           ref_pt, tokens)  # fmt: skip
+        except Exception as e:  # recorded, not fatal: ours are still worth having
+            row["flashmla_error"] = repr(e)[:300]
+    if sglang and not mixed:
         logits = torch.empty(batch, heads, SGLANG_SPLITS, latent, device="cuda")
         lse = torch.empty(batch, heads, SGLANG_SPLITS, device="cuda")
         kb, k8b = kv.flatten(0, 1), kv8pt.flatten(0, 1)
@@ -234,6 +296,45 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None):
         row["bf16_vs_sglang_bf16"] = row["sglang_bf16_us"] / row["ours_bf16_us"]
         row["fp8_vs_sglang_fp8"] = row["sglang_fp8_us"] / row["ours_fp8_us"]
     return row
+
+
+def _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, heads, latent, ref, ref_pt,
+                   tokens):  # fmt: skip
+    """FlashMLA BF16 and FP8 (one scale per tensor, q cast to e4m3 with scale 1, as SGLang's
+    flashmla backend calls it) on the bench's pages and tables, into ``row``."""
+    n_ref = ref.shape[0]
+    fm_meta = flashmla.get_mla_metadata()[0]  # filled by its first call (outside capture)
+    q4 = [x.unsqueeze(1) for x in q]  # [B, 1, H, 576]
+    q8 = [x.to(FP8_DTYPE) for x in q4]  # cast outside the timed calls (SGLang casts per step)
+    fm_meta8 = flashmla.get_mla_metadata()[0]
+    fm_meta8.tile_scheduler_metadata, fm_meta8.num_splits = (
+        flashmla.get_mla_decoding_metadata(case.lens, heads, 1, heads, is_fp8_kvcache=True,
+                                           use_legacy=True))  # fmt: skip
+    one = torch.ones(1, device="cuda")
+    k_descale = s8pt.reshape(1).float()
+
+    def fm_bf16(i):
+        return flashmla.flash_mla_with_kvcache(
+            q4[i], kv, case.block_tables[i], case.lens, latent, fm_meta, softmax_scale=sm,
+            use_legacy=True)[0]  # fmt: skip
+
+    def fm_fp8(i):
+        return flashmla.flash_mla_with_kvcache(
+            q8[i], kv8pt, case.block_tables[i], case.lens, latent, fm_meta8,
+            softmax_scale=sm, is_fp8_kvcache=True, use_legacy=True, descale_q=one,
+            descale_k=k_descale)[0]  # fmt: skip
+
+    row["flashmla_bf16_us"] = graph_time_us(fm_bf16, case.sets)
+    row["flashmla_fp8_us"] = graph_time_us(fm_fp8, case.sets)
+    fb = fm_bf16(0).squeeze(1)[:n_ref]
+    f8 = fm_fp8(0).squeeze(1)[:n_ref]
+    row["err_flashmla_bf16"] = rel_l2(fb, ref)
+    row["err_flashmla_fp8"] = rel_l2(f8, ref)
+    row["err_flashmla_fp8_vs_dequant"] = rel_l2(f8, ref_pt)
+    row["flashmla_fp8_TBps"] = tokens * kv.shape[-1] / row["flashmla_fp8_us"] / 1e6
+    row["bf16_vs_flashmla_bf16"] = row["flashmla_bf16_us"] / row["ours_bf16_us"]
+    row["fp8_vs_flashmla_fp8"] = row["flashmla_fp8_us"] / row["ours_fp8_us"]
+    row["flashmla_fp8_vs_bf16"] = row["flashmla_bf16_us"] / row["flashmla_fp8_us"]
 
 
 def bench_write(tokens, kv_heads, dim):
@@ -295,6 +396,91 @@ MLA_WIDE_VARIANTS = {  # 64+ heads: fewer programs re-reading each tile
     "q_h64_w8_waves1": DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True),
 }
 GQA_VARIANTS = {"default": None}
+
+# --mla-peers: kernel variants timed beside the defaults and the peers (name -> (dtype, config)).
+# "t_*": the transposed kernel (tokens the MMA's M, heads its N); qkN/pvN: e4m3 products with
+# N e4m3 parts per operand (q, p); without pv the V tile is widened to fp16. The first run
+# (fp8_kv_flashmla_variants.json) also timed 8 warps for "t", e4m3 PV products (pv1, pv2: 2x
+# slower, the e4m3 V transposed byte by byte) and an fp16 V in the transposed kernel (2.4x
+# slower): all lost, and are not timed again.
+MLA_PEER_VARIANTS = {
+    "t": ("bf16", DecodeConfig(64, 16, 4, 2, True, 3, whole_waves=True, tokens_as_m=True)),
+    "t_qk2": (
+        "fp8",
+        DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
+    ),
+}
+MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
+    "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),
+    "h64_qk2": ("fp8", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True, qk_fp8_parts=2)),
+}
+
+
+def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | None, bool]]:
+    """(heads, batch, ctx, lens or None, with variants): first the shapes the targets name (with
+    the variants), then 8/16/64/128 heads over batch 1-256 and context 1k-32k, and the decode
+    slice's mix of lengths (bench/decode_slice_plan.py's CONTEXT_MIX)."""
+    mix = (1024, 2048, 4096, 8192)
+    named = [
+        (16, 64, 4096, None),
+        (16, 64, 16384, None),
+        (16, 128, 8192, None),
+        (8, 256, 2048, None),
+        (8, 64, 16384, None),
+        (16, 32, 8192, None),
+        (64, 32, 4096, None),
+        (128, 32, 4096, None),
+        (16, 64, 0, mix),
+        (8, 64, 0, mix),
+    ]
+    grid = [(*shape, True) for shape in named]  # fmt: skip
+    if quick:
+        return grid[:3] + grid[7:9]
+    for heads in (16, 8):
+        for batch in (1, 8, 32, 64, 128, 256):
+            for ctx in (1024, 4096, 8192, 16384, 32768):
+                if batch * ctx <= 256 * 8192 and (heads == 16 or batch >= 32):
+                    grid.append((heads, batch, ctx, None, False))
+    for heads in (64, 128):
+        for batch in (1, 8, 32, 64):
+            for ctx in (1024, 4096, 16384):
+                grid.append((heads, batch, ctx, None, False))
+    for heads in (8, 16, 64, 128):
+        for batch in (16, 64, 256) if heads <= 16 else (16, 64):
+            grid.append((heads, batch, 0, mix, False))
+    seen, unique = set(), []
+    for entry in grid:
+        if entry[:4] not in seen:
+            seen.add(entry[:4])
+            unique.append(entry)
+    return unique
+
+
+def mla_peers(copy_bw, flashmla, sglang, quick, add) -> None:
+    for heads, batch, ctx, mix, named in mla_peer_grid(quick):
+        lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
+        table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
+        try:
+            row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,
+                            lens=lens, variants=table if named else None)  # fmt: skip
+        except Exception as e:  # a failing shape must not cost the rest of the grid
+            print(f"mla h{heads} B{batch} ctx{ctx}: FAILED {e!r}"[:300], flush=True)
+            continue
+        add(row, _peer_line)
+        torch.cuda.empty_cache()
+
+
+def _peer_line(r):
+    lens = r.get("lens", f"ctx{r['ctx']}")
+    best = {k[:-3]: v for k, v in r.items() if k.startswith("ours_fp8_") and k.endswith("_us")}
+    top = min(best, key=best.get)
+    fm = (f" | FlashMLA bf16 {r['flashmla_bf16_us']:7.1f} fp8 {r['flashmla_fp8_us']:7.1f}"
+          f" (err {r['err_flashmla_fp8']:.1e}) | ours/FM bf16 x{r['bf16_vs_flashmla_bf16']:.2f}"
+          f" fp8 x{r['fp8_vs_flashmla_fp8']:.2f} best-fp8 x{r['flashmla_fp8_us'] / best[top]:.2f}"
+          if "flashmla_fp8_us" in r else "")  # fmt: skip
+    return (f"mla h{r['heads']:3d} B{r['batch']:3d} {lens:>16s}: bf16 {r['ours_bf16_us']:7.1f}us"
+            f" fp8 {r['ours_fp8_us']:7.1f}us (err {r['err_ours_fp8']:.1e}) fastest fp8 "
+            f"{top[9:] or 'default'} {best[top]:7.1f}{fm}")  # fmt: skip
 
 
 def _check_variant(kind, config, heads):
@@ -423,6 +609,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")
     ap.add_argument("--variants", action="store_true", help="time kernel variants instead")
+    ap.add_argument(
+        "--mla-peers",
+        action="store_true",
+        help="MLA only: ours (and variants) against FlashMLA and SGLang's Triton",
+    )
+    ap.add_argument(
+        "--flashmla",
+        action="store_true",
+        help="time FlashMLA (the sgl-flash-mla wheel's legacy SM90 dense kernels)",
+    )
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -452,20 +648,26 @@ def main() -> None:
         print("\n".join(_variant_line(r) for r in rows))
         return
     sglang = load_sglang_decode(args.sglang_kernel) if args.sglang_kernel else None
+    flashmla = importlib.import_module("flash_mla") if args.flashmla else None
 
     rows = []
-    out_file = args.out / ("fp8_kv_decode_quick.json" if args.quick else "fp8_kv_decode.json")
+    name = "fp8_kv_flashmla" if args.mla_peers else "fp8_kv_decode"
+    out_file = args.out / (f"{name}_quick.json" if args.quick else f"{name}.json")
 
     def add(row, line):  # saved after every row: a run cut short keeps what it measured
         rows.append(row)
         out_file.write_text(json.dumps({**meta, "rows": rows}, indent=1))
         print(line(row), flush=True)
 
+    if args.mla_peers:
+        mla_peers(copy_bw, flashmla, sglang, args.quick, add)
+        print("\n".join(_peer_line(r) for r in rows))
+        return
     mla_grid = [(64, 8192, 16), (64, 4096, 64)]
     if not args.quick:
         mla_grid = [(64, 4096, 16), (64, 16384, 16), (8, 8192, 16), (64, 4096, 64), (64, 4096, 128)]
     for batch, ctx, heads in mla_grid:  # MLA first: the models this serves are MLA
-        add(bench_mla(batch, ctx, heads, 64, sglang, copy_bw), _mla_line)
+        add(bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla), _mla_line)
     if args.quick:
         gqa_grid = [(64, 64, 4096), (64, 64, 16384), (64, 8, 1024), (64, 1, 256)]
     else:
@@ -508,7 +710,8 @@ def _command_line(args) -> str:
     it, the output folder as OUT_DIR."""
     repo = Path(__file__).resolve().parent.parent
     words = ["python", "bench/fp8_kv_decode.py"]
-    words += [f"--{flag}" for flag in ("quick", "tune", "variants") if getattr(args, flag)]
+    flags = ("quick", "tune", "variants", "mla_peers", "flashmla")
+    words += [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
     if args.sglang_kernel:
         path = args.sglang_kernel.resolve()
         shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name

@@ -78,6 +78,135 @@ def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(4 * L2_BYTES / nbytes))
 
 
+# SGLang's id of Marlin's weight type uint4b8 (4-bit codes, bias 8: GPTQ's symmetric INT4): its
+# ScalarType fields packed low to high, exponent (8 bits) 0, mantissa (8) 4, signed (1) 0,
+# bias (32) 8, finite-only (1) 0, NaN representation (8) 1 (IEEE).
+MARLIN_UINT4B8 = (4 << 8) | (8 << 17) | (1 << 50)
+
+
+class Marlin:
+    """SGLang 0.5.23's Marlin kernels (dense ``gptq_marlin_gemm``, MoE
+    ``moe_wna16_marlin_gemm``), built ahead of time by bench/marlin_jit_build.py and called
+    with the arguments SGLang's wrappers pass (its Python wrappers need SGLang's runtime).
+    Weights are random codes in Marlin's tiled layout (``[K / 16, 2 N]`` int32, scales
+    ``[K / group, N]``): the peer's time does not depend on their values."""
+
+    def __init__(self, folder: Path):
+        import tvm_ffi
+
+        self.dense = tvm_ffi.load_module(str(folder / "marlin_dense.so")).gptq_marlin_gemm
+        self.moe = tvm_ffi.load_module(str(folder / "marlin_moe.so")).moe_wna16_marlin_gemm
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.sms = sms
+        self.workspace = torch.zeros(sms * 4, dtype=torch.int32, device="cuda")
+        self.none_bf16 = torch.empty(0, dtype=torch.bfloat16, device="cuda")
+        self.none_i32 = torch.empty(0, dtype=torch.int32, device="cuda")
+        self.none_f32 = torch.empty(0, dtype=torch.float32, device="cuda")
+
+    @staticmethod
+    def weight(n: int, k: int, group: int, experts: int | None = None):
+        lead = () if experts is None else (experts,)
+        codes = torch.randint(-(2**31), 2**31 - 1, (*lead, k // 16, 2 * n), dtype=torch.int32,
+                              device="cuda")  # fmt: skip
+        scales = ((torch.rand(*lead, k // group, n, device="cuda") + 0.5) / 64).bfloat16()
+        return codes, scales
+
+    def gemm(self, x, codes, scales, out):
+        """SGLang's ``apply_gptq_marlin_linear``: fp32 reduce, atomic adds only for n < 2048
+        and k >= 2048."""
+        m, k = x.shape
+        n = scales.shape[-1]
+        atomic = n < 2048 and k >= 2048
+        c_tmp = self.none_f32
+        if not atomic:
+            c_tmp = torch.empty(self.sms * min(triton.cdiv(m, 16) * 16, 64) * 256,
+                                dtype=torch.float32, device="cuda")  # fmt: skip
+        self.dense(x, codes, scales, self.none_bf16, self.none_i32, self.none_i32,
+                   self.none_i32, out, c_tmp, self.none_bf16, self.workspace, MARLIN_UINT4B8,
+                   True, atomic, True, False)  # fmt: skip
+        return out
+
+    @staticmethod
+    def align(ids: torch.Tensor, experts: int, block: int):
+        """What SGLang's ``moe_align_block_size`` produces (sorted pair ids padded per expert to
+        whole blocks, each block's expert, the padded count), computed on the host."""
+        flat = ids.flatten().cpu()
+        pad_id = flat.numel()
+        order, owners = [], []
+        for e in range(experts):
+            pairs = (flat == e).nonzero().flatten().tolist()
+            if pairs:
+                pairs += [pad_id] * (-len(pairs) % block)
+                order += pairs
+                owners += [e] * (len(pairs) // block)
+        size = pad_id + experts * (block - 1)
+        sorted_ids = torch.full((size,), pad_id, dtype=torch.int32)
+        sorted_ids[: len(order)] = torch.tensor(order, dtype=torch.int32)
+        block_experts = torch.zeros(triton.cdiv(size, block), dtype=torch.int32)
+        block_experts[: len(owners)] = torch.tensor(owners, dtype=torch.int32)
+        count = torch.tensor([len(order)], dtype=torch.int32)
+        return sorted_ids.cuda(), block_experts.cuda(), count.cuda()
+
+    def moe_gemm(self, x, out, codes, scales, routing, block, top_k, mul_weights, group):
+        sorted_ids, block_experts, count, weights = routing
+        m, k = x.shape
+        n = scales.shape[-1]
+        self.moe(x, out, codes, self.none_bf16, scales, self.none_bf16, self.none_bf16,
+                 self.none_i32, self.none_i32, self.workspace, sorted_ids, block_experts, count,
+                 weights, self.none_bf16, self.none_f32, block, top_k, mul_weights, False,
+                 MARLIN_UINT4B8, m, n, k, False, False, True, False, k // group, group, True,
+                 True, False)  # fmt: skip
+        return out
+
+    def fused_moe(self, x, w13, w2, routing, block, top_k, group):
+        """SGLang's ``fused_marlin_moe``: up GEMM, SiLU-and-mul, down GEMM with the routing
+        weights, sum over the top k (the two small steps by this project's Triton kernels,
+        one launch each as in SGLang; the alignment is done ahead, outside the time)."""
+        tokens, hidden = x.shape
+        inter = w2[1].shape[-2] * group
+        h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
+        self.moe_gemm(x, h13, *w13, routing, block, top_k, False, group)
+        act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
+        w4a16_moe._silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
+            h13, act, inter, BLOCK=1024, num_warps=4
+        )
+        down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
+        self.moe_gemm(act, down, *w2, routing, block, 1, True, group)
+        return _topk_sum(down, tokens, top_k)
+
+
+MARLIN: Marlin | None = None  # set by --marlin
+
+
+def marlin_time(call, sets: int) -> tuple[float, str]:
+    """A Marlin call's time: graph replay like every other timing here; if its launch cannot be
+    captured, the median of event-timed loops (launch gaps included), and which it was."""
+    try:
+        return graph_time_us(call, sets), "graph"
+    except Exception as e:  # noqa: BLE001 - recorded next to the number
+        print(f"marlin: graph capture failed ({e!r:.120}), timing eager loops", flush=True)
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(9):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(20):
+            call(i % sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 20)
+    return statistics.median(times), "eager"
+
+
+def marlin_block(tokens: int, top_k: int, experts: int) -> int:
+    """SGLang's block size for the Marlin MoE: the first of 8, 16, 32, 48, 64 that the
+    average rows per expert fill less than 90%."""
+    for block in (8, 16, 32, 48, 64):
+        if tokens * top_k / experts / block < 0.9:
+            return block
+    return 64
+
+
 def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
@@ -96,6 +225,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
     ]
     fp8 = [(b / 16).to(torch.float8_e4m3fn) for b in bf16]
     one = torch.ones((), device="cuda")
+    mws = [Marlin.weight(n, k, group) for _ in range(sets)] if MARLIN is not None else []
     w_ref = dequantize(ws[0], torch.float32)  # [N, K]
     for m in m_values:
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
@@ -113,6 +243,14 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         except RuntimeError as e:  # cuBLASLt fp8 shape limits
             print(f"_scaled_mm M={m}: {e}".splitlines()[0], file=sys.stderr)
             t_fp8 = float("nan")
+        marlin = {}
+        if MARLIN is not None:
+            out_m = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            marlin["marlin_us"], marlin["marlin_timing"] = marlin_time(
+                lambda i, xs=xs, o=out_m: MARLIN.gemm(xs[i % 4], *mws[i % sets], o), sets
+            )
+            marlin["x_vs_marlin"] = marlin["marlin_us"] / t_int4
+            marlin["marlin_finite"] = bool(out_m.isfinite().all())
         per_config = {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k):
@@ -126,7 +264,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config,
+            "candidates_us": per_config, **marlin,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
@@ -136,7 +274,9 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         })  # fmt: skip
         print(f"gemm {name:32s} M={m:5d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
-              f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}",
+              f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
+              + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
+                 if marlin else ""),
               flush=True)  # fmt: skip
     return rows
 
@@ -310,6 +450,9 @@ def bench_moe_shape(
     b13 = torch.randn(experts, hidden, 2 * inter, device="cuda", dtype=torch.bfloat16) / 64
     b2 = torch.randn(experts, inter, hidden, device="cuda", dtype=torch.bfloat16) / 64
     sg = (*to_sglang_int4(w13), *to_sglang_int4(w2)) if sglang_kernel else None
+    if MARLIN is not None:
+        mw13 = Marlin.weight(2 * inter, hidden, group, experts)
+        mw2 = Marlin.weight(hidden, inter, group, experts)
 
     # correctness of all three on a few tokens, against the fp32 reference
     wts, ids = routings(4, experts, top_k, 1)[0]
@@ -337,6 +480,10 @@ def bench_moe_shape(
                 t = graph_time_us(call, 4)
                 if not t >= t_sg:
                     t_sg, best_cfg = t, cfg
+        marlin = {}
+        if MARLIN is not None:
+            marlin = marlin_moe_times(xs, rs, (mw13, mw2), experts, hidden, inter, top_k, group)
+            marlin["x_vs_marlin_moe"] = marlin["marlin_moe_us"] / t_int4
         touched = statistics.mean(r[1].unique().numel() for r in rs)
         parts, per_config = {}, {}
         if candidates:
@@ -366,13 +513,43 @@ def bench_moe_shape(
             "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
             "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
                               if key[0].startswith("moe") and key[1] == tokens},
-            "parts_us": parts, "candidates_us": per_config,
+            "parts_us": parts, "candidates_us": per_config, **marlin,
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
-              f"x{t_sg / t_int4:5.2f} vs sglang",
+              f"x{t_sg / t_int4:5.2f} vs sglang"
+              + (f"  marlin {marlin['marlin_moe_us']:8.1f}us (gemms "
+                 f"{marlin['marlin_up_gemm_us']:.1f}+{marlin['marlin_down_gemm_us']:.1f}) "
+                 f"x{marlin['x_vs_marlin_moe']:5.2f}" if marlin else ""),
               flush=True)  # fmt: skip
     return rows
+
+
+def marlin_moe_times(xs, rs, weights, experts, hidden, inter, top_k, group) -> dict:
+    """Marlin's fused MoE and its two GEMMs alone on the bench's inputs and routings."""
+    tokens = xs[0].shape[0]
+    mw13, mw2 = weights
+    block = marlin_block(tokens, top_k, experts)
+    mrs = [(*Marlin.align(ids, experts, block), wts.float().contiguous()) for wts, ids in rs]
+    h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    act = torch.randn(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
+    down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
+    res = {"marlin_block": block}
+    res["marlin_moe_us"], res["marlin_timing"] = marlin_time(
+        lambda i: MARLIN.fused_moe(xs[i], mw13, mw2, mrs[i], block, top_k, group), len(rs)
+    )
+    res["marlin_up_gemm_us"], _ = marlin_time(
+        lambda i: MARLIN.moe_gemm(xs[i], h13, *mw13, mrs[i], block, top_k, False, group),
+        len(rs))  # fmt: skip
+    res["marlin_down_gemm_us"], _ = marlin_time(
+        lambda i: MARLIN.moe_gemm(act, down, *mw2, mrs[i], block, 1, True, group), len(rs)
+    )
+    res["marlin_finite"] = bool(MARLIN.fused_moe(xs[0], mw13, mw2, mrs[0], block, top_k,
+                                                 group).isfinite().all())  # fmt: skip
+    counts = [r[1].flatten().bincount(minlength=experts) for r in rs]
+    res["avg_rows_per_touched_expert"] = statistics.mean(
+        float(c[c > 0].float().mean()) for c in counts)  # fmt: skip
+    return res
 
 
 def _remap(ids: torch.Tensor) -> torch.Tensor:
@@ -414,6 +591,9 @@ def main() -> None:
     ap.add_argument("--tokens", help="MoE token counts, comma-separated (overrides the default)")
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
+    ap.add_argument(
+        "--marlin", type=Path, help="folder of Marlin's modules built by bench/marlin_jit_build.py"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -422,6 +602,9 @@ def main() -> None:
         raise SystemExit("this benchmark needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     kernel = load_sglang_moe_kernel(args.sglang_kernels) if args.sglang_kernels else None
+    if args.marlin:
+        global MARLIN
+        MARLIN = Marlin(args.marlin)
     m_values = (1, 4, 16, 64) if args.quick else M_VALUES
     if args.m:
         m_values = tuple(int(v) for v in args.m.split(","))
@@ -444,12 +627,17 @@ def main() -> None:
             (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):
-        print(f"{r['shape']:32s} M={r['M']:5d}  x{r['x_vs_bf16']:5.2f} vs bf16  "
-              f"x{r['x_vs_fp8']:5.2f} vs fp8  {r['int4_weight_TBps']:.2f} TB/s")  # fmt: skip
+        print(
+            f"{r['shape']:32s} M={r['M']:5d}  x{r['x_vs_bf16']:5.2f} vs bf16  "
+            f"x{r['x_vs_fp8']:5.2f} vs fp8  {r['int4_weight_TBps']:.2f} TB/s"
+            + (f"  x{r['x_vs_marlin']:5.2f} vs marlin" if "x_vs_marlin" in r else "")
+        )
     for r in results.get("moe", []):
         print(f"{r['shape']:34s} T={r['tokens']:4d}  "
               f"x{r['x_vs_bf16_experts']:5.2f} vs bf16 experts  "
-              f"x{r['x_vs_sglang']:5.2f} vs sglang int4")  # fmt: skip
+              f"x{r['x_vs_sglang']:5.2f} vs sglang int4"
+              + (f"  x{r['x_vs_marlin_moe']:5.2f} vs marlin moe" if "x_vs_marlin_moe" in r
+                 else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

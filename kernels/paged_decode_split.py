@@ -43,9 +43,22 @@ class DecodeConfig:
     programs_per_sm: int = 4  # what the split plan aims at (whole_waves: what one SM holds)
     whole_waves: bool = False  # plan the split so all programs run in one wave
     max_registers: int | None = None  # a per-thread register cap (more programs per SM)
+    # MLA over FP8 pages: the products in native e4m3 instead of on fp16-widened tiles; each
+    # operand (q, then p) as 1 or 2 e4m3 parts (hi + the rounding residual); 0 = fp16.
+    qk_fp8_parts: int = 0
+    pv_fp8_parts: int = 0
+    tokens_as_m: bool = False  # MLA: the transposed kernel (tokens the MMA's M, heads its N)
 
 
-def pick_config(head_dim: int, group: int, mla: bool, fp8: bool = False) -> DecodeConfig:
+# Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
+# programs (0.63-0.76x at 1-8 requests of 1k-4k); from it on it is 1.00-1.14x
+# (bench/results/fp8_kv_flashmla.json against fp8_kv_flashmla_variants.json).
+TOKENS_AS_M_MIN_TOKENS = 16384
+
+
+def pick_config(
+    head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
+) -> DecodeConfig:
     """Tile sizes for a head shape, from the sweeps in bench/results/fp8_kv_tune.json and
     fp8_kv_variants.json (H200).
 
@@ -57,8 +70,14 @@ def pick_config(head_dim: int, group: int, mla: bool, fp8: bool = False) -> Deco
     once (a partial second wave cost up to 1.3x). 16 heads a program: the latent in quarters,
     32 tokens a tile; BF16 compiles to 128 registers (4 programs per SM), FP8 to 186, capped at
     168 (3 per SM). 64+ heads: 64 heads a program with 8 warps (Triton uses wgmma there),
-    1 program per SM, so each tile is read once instead of by four 16-head programs."""
+    1 program per SM, so each tile is read once instead of by four 16-head programs; BF16 in
+    the transposed kernel (64 tokens as wgmma's M, the heads its N) once the batch holds
+    ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``: the batch's total, when known), FP8 not (its V
+    would be widened and transposed in registers: 255 registers and spills, 1.3x slower)."""
     if mla:
+        big = tokens is None or tokens >= TOKENS_AS_M_MIN_TOKENS
+        if group >= 64 and not fp8 and big:
+            return DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)
         if group >= 64:
             return DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
         if fp8:
@@ -322,6 +341,21 @@ def _split_kernel(
 
 
 @triton.jit
+def _row_max(x):
+    return tl.max(tl.abs(x.to(tl.float32)), axis=1)
+
+
+@triton.jit
+def _e4m3_parts(y, PARTS: tl.constexpr):
+    """fp32 ``y`` as e4m3, and with ``PARTS == 2`` its rounding residual as a second e4m3
+    part (else the first part again, unused)."""
+    hi = y.to(tl.float8e4nv)
+    if PARTS == 2:
+        return hi, (y - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, hi
+
+
+@triton.jit
 def _quarter(rows, col0, DQ: tl.constexpr, mask_n, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """``DQ`` columns from ``col0`` of the tile's token rows, widened to fp16 when FP8."""
     t = tl.load(rows + col0 + tl.arange(0, DQ)[None, :], mask=mask_n[:, None], other=0.0)
@@ -362,6 +396,8 @@ def _mla_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    QK_PARTS: tl.constexpr = 0,
+    PV_PARTS: tl.constexpr = 0,
 ):
     """Stage 1 for MLA (one KV head of ``D`` latent + ``D_ROPE`` rope dims, V = the latent
     dims), with the latent dims in four quarters: four loads, four QK products and four PV
@@ -379,13 +415,28 @@ def _mla_kernel(
     )
 
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
+    NATIVE_QK: tl.constexpr = FP8 and QK_PARTS > 0
+    NATIVE_PV: tl.constexpr = FP8 and PV_PARTS > 0
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0).to(cdt)
+    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
     q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
     q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
     q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
     qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
-    q1, q2, q3, qr = q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
+    if NATIVE_QK:
+        # q per head in e4m3 (its largest entry at 448), the scale folded into the scores;
+        # with two parts the second holds the rounding residual of the first
+        q_top = tl.maximum(tl.maximum(_row_max(q0), _row_max(q1)), _row_max(qr))
+        q_top = tl.maximum(q_top, tl.maximum(_row_max(q2), _row_max(q3)))
+        q_unit = tl.maximum(q_top, 1e-30) / 448.0
+        q0, q0l = _e4m3_parts(q0.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q1, q1l = _e4m3_parts(q1.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q2, q2l = _e4m3_parts(q2.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q3, q3l = _e4m3_parts(q3.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        qr, qrl = _e4m3_parts(qr.to(tl.float32) / q_unit[:, None], QK_PARTS)
+    else:
+        q_unit = tl.full([BLOCK_H], 1.0, tl.float32)
+        q0, q1, q2, q3, qr = q0.to(cdt), q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -408,20 +459,37 @@ def _mla_kernel(
             ).to(tl.int64)
             slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
         rows = KV + slot[:, None] * stride_kv_slot
-        k0 = _quarter(rows, 0, DQ, mask_n, FP8, INTERPRETED)
-        k1 = _quarter(rows, DQ, DQ, mask_n, FP8, INTERPRETED)
-        k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8, INTERPRETED)
-        k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8, INTERPRETED)
-        kr = _quarter(rows, D, D_ROPE, mask_n, FP8, INTERPRETED)
-        # Two sums of two products each: Triton folds "dot + x" into the dot's accumulator, so
-        # this grouping leaves two MMA chains of half the depth instead of one.
-        s = (_dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)) + (
-            _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
-        )
-        s += _dot(qr, tl.trans(kr), INTERPRETED)
+        if NATIVE_QK:
+            # e4m3 tiles straight into the products (no widening on the scores' path)
+            k0 = _quarter(rows, 0, DQ, mask_n, False, INTERPRETED)
+            k1 = _quarter(rows, DQ, DQ, mask_n, False, INTERPRETED)
+            k2 = _quarter(rows, 2 * DQ, DQ, mask_n, False, INTERPRETED)
+            k3 = _quarter(rows, 3 * DQ, DQ, mask_n, False, INTERPRETED)
+            kr = _quarter(rows, D, D_ROPE, mask_n, False, INTERPRETED)
+            s = (_dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)) + (
+                _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
+            )
+            s += _dot(qr, tl.trans(kr), INTERPRETED)
+            if QK_PARTS == 2:
+                s += (
+                    _dot(q0l, tl.trans(k0), INTERPRETED) + _dot(q1l, tl.trans(k1), INTERPRETED)
+                ) + (_dot(q2l, tl.trans(k2), INTERPRETED) + _dot(q3l, tl.trans(k3), INTERPRETED))
+                s += _dot(qrl, tl.trans(kr), INTERPRETED)
+        else:
+            k0 = _quarter(rows, 0, DQ, mask_n, FP8, INTERPRETED)
+            k1 = _quarter(rows, DQ, DQ, mask_n, FP8, INTERPRETED)
+            k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8, INTERPRETED)
+            k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8, INTERPRETED)
+            kr = _quarter(rows, D, D_ROPE, mask_n, FP8, INTERPRETED)
+            # Two sums of two products each: Triton folds "dot + x" into the dot's accumulator,
+            # so this grouping leaves two MMA chains of half the depth instead of one.
+            s = (_dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)) + (
+                _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
+            )
+            s += _dot(qr, tl.trans(kr), INTERPRETED)
         if FP8:
             scale = tl.load(KV_SCALE + slot * stride_s_slot, mask=mask_n, other=0.0)
-            s = s * (scale * sm_scale_log2e)[None, :]
+            s = s * q_unit[:, None] * (scale * sm_scale_log2e)[None, :]
         else:
             s = s * sm_scale_log2e
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -433,15 +501,42 @@ def _mla_kernel(
         if FP8:
             # V scales go into p relative to the tile's largest (fp16 keeps p's precision);
             # the accumulator is re-based on that largest scale instead of multiplied by it.
+            # In e4m3, p is also lifted by 2^8 so that small weights stay normal numbers.
             v_top = tl.maximum(tl.max(scale, axis=0), 1e-30)
+            if NATIVE_PV:
+                v_top = v_top / 256.0
             p = p * (scale / v_top)[None, :]
             alpha = alpha * (acc_unit / v_top)
             acc_unit = v_top
-        pc = p.to(cdt)
-        acc0 = _dot(pc, k0, INTERPRETED) + acc0 * alpha[:, None]
-        acc1 = _dot(pc, k1, INTERPRETED) + acc1 * alpha[:, None]
-        acc2 = _dot(pc, k2, INTERPRETED) + acc2 * alpha[:, None]
-        acc3 = _dot(pc, k3, INTERPRETED) + acc3 * alpha[:, None]
+        if NATIVE_PV:
+            p8, p8l = _e4m3_parts(p, PV_PARTS)
+            if NATIVE_QK:
+                v0, v1, v2, v3 = k0, k1, k2, k3
+            else:  # the tile was widened for the scores: V is read again as e4m3
+                v0 = _quarter(rows, 0, DQ, mask_n, False, INTERPRETED)
+                v1 = _quarter(rows, DQ, DQ, mask_n, False, INTERPRETED)
+                v2 = _quarter(rows, 2 * DQ, DQ, mask_n, False, INTERPRETED)
+                v3 = _quarter(rows, 3 * DQ, DQ, mask_n, False, INTERPRETED)
+            acc0 = _dot(p8, v0, INTERPRETED) + acc0 * alpha[:, None]
+            acc1 = _dot(p8, v1, INTERPRETED) + acc1 * alpha[:, None]
+            acc2 = _dot(p8, v2, INTERPRETED) + acc2 * alpha[:, None]
+            acc3 = _dot(p8, v3, INTERPRETED) + acc3 * alpha[:, None]
+            if PV_PARTS == 2:
+                acc0 += _dot(p8l, v0, INTERPRETED)
+                acc1 += _dot(p8l, v1, INTERPRETED)
+                acc2 += _dot(p8l, v2, INTERPRETED)
+                acc3 += _dot(p8l, v3, INTERPRETED)
+        else:
+            if NATIVE_QK:  # V widened from the same e4m3 tile, off the scores' path
+                k0 = _widen_fp8(k0, INTERPRETED)
+                k1 = _widen_fp8(k1, INTERPRETED)
+                k2 = _widen_fp8(k2, INTERPRETED)
+                k3 = _widen_fp8(k3, INTERPRETED)
+            pc = p.to(cdt)
+            acc0 = _dot(pc, k0, INTERPRETED) + acc0 * alpha[:, None]
+            acc1 = _dot(pc, k1, INTERPRETED) + acc1 * alpha[:, None]
+            acc2 = _dot(pc, k2, INTERPRETED) + acc2 * alpha[:, None]
+            acc3 = _dot(pc, k3, INTERPRETED) + acc3 * alpha[:, None]
         m = m_new
 
     empty = l == 0.0  # a split past the request's end
@@ -454,6 +549,186 @@ def _mla_kernel(
     tl.store(part[:, None] + DQ + cols, acc1 * norm, mask=mask_h[:, None])
     tl.store(part[:, None] + 2 * DQ + cols, acc2 * norm, mask=mask_h[:, None])
     tl.store(part[:, None] + 3 * DQ + cols, acc3 * norm, mask=mask_h[:, None])
+    tl.store(part_lse + (b * stride_pb + heads * stride_ph) // D + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _v_operand(k, WIDEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The tile as PV's operand: e4m3 tiles (kept raw for the e4m3 scores) widened to fp16."""
+    if WIDEN:
+        v = _widen_fp8(k, INTERPRETED)
+    else:
+        v = k
+    return v
+
+
+@triton.jit
+def _mla_tokens_m_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: tl.constexpr,
+    ENTRIES_PER_PAGE: tl.constexpr,
+    LENS_ARE_ENDS: tl.constexpr,
+    BALANCED: tl.constexpr,
+    D: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    QK_PARTS: tl.constexpr = 0,
+    PV_PARTS: tl.constexpr = 0,
+):
+    """Stage 1 for MLA with the products transposed: tokens are the MMA's M (64 a tile, what
+    Hopper's wgmma needs) and the few query heads its N, so 8 or 16 heads fill no padding and
+    FP8 tiles feed an e4m3 product straight from shared memory (the KV tile is the K-major
+    operand; q, per head in e4m3, the other). ``s^T[n, h]``, the softmax over ``n`` per
+    column, ``o^T[d, h] += v^T[d, n] p^T[n, h]`` with V widened to fp16 (8-bit operands must be
+    K-major, and V's K is its token axis). Same math as ``_mla_kernel``."""
+    DQ: tl.constexpr = D // 4
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+
+    row, start, end = _split_range(
+        seq_lens, indptr, b, split, num_splits, fixed_split_len, LENS_ARE_ENDS, BLOCK_N, BALANCED
+    )
+    NATIVE_QK: tl.constexpr = FP8 and QK_PARTS > 0
+    NATIVE_PV: tl.constexpr = NATIVE_QK and PV_PARTS > 0  # V is then the raw e4m3 tile
+    cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
+    if NATIVE_QK:
+        q_top = tl.maximum(tl.maximum(_row_max(q0), _row_max(q1)), _row_max(qr))
+        q_top = tl.maximum(q_top, tl.maximum(_row_max(q2), _row_max(q3)))
+        q_unit = tl.maximum(q_top, 1e-30) / 448.0
+        q0, q0l = _e4m3_parts(q0.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q1, q1l = _e4m3_parts(q1.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q2, q2l = _e4m3_parts(q2.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q3, q3l = _e4m3_parts(q3.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        qr, qrl = _e4m3_parts(qr.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q0l, q1l, q2l, q3l = tl.trans(q0l), tl.trans(q1l), tl.trans(q2l), tl.trans(q3l)
+        qrl = tl.trans(qrl)
+    else:
+        q_unit = tl.full([BLOCK_H], 1.0, tl.float32)
+        q0, q1, q2, q3, qr = q0.to(cdt), q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
+    q0, q1, q2, q3, qr = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), tl.trans(qr)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([DQ, BLOCK_H], tl.float32)
+    acc1 = tl.zeros([DQ, BLOCK_H], tl.float32)
+    acc2 = tl.zeros([DQ, BLOCK_H], tl.float32)
+    acc3 = tl.zeros([DQ, BLOCK_H], tl.float32)
+    acc_unit = 1.0
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if BLOCK_N <= PAGE_SIZE:
+            page = tl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE).to(tl.int64)
+            slot = (page // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+        else:
+            entry = tl.load(
+                indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
+            ).to(tl.int64)
+            slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+        rows = KV + slot[:, None] * stride_kv_slot
+        k0 = _quarter(rows, 0, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
+        k1 = _quarter(rows, DQ, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
+        k2 = _quarter(rows, 2 * DQ, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
+        k3 = _quarter(rows, 3 * DQ, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
+        kr = _quarter(rows, D, D_ROPE, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
+        s = (_dot(k0, q0, INTERPRETED) + _dot(k1, q1, INTERPRETED)) + (
+            _dot(k2, q2, INTERPRETED) + _dot(k3, q3, INTERPRETED)
+        )
+        s += _dot(kr, qr, INTERPRETED)
+        if QK_PARTS == 2 and NATIVE_QK:
+            s += (_dot(k0, q0l, INTERPRETED) + _dot(k1, q1l, INTERPRETED)) + (
+                _dot(k2, q2l, INTERPRETED) + _dot(k3, q3l, INTERPRETED)
+            )
+            s += _dot(kr, qrl, INTERPRETED)
+        if FP8:
+            scale = tl.load(KV_SCALE + slot * stride_s_slot, mask=mask_n, other=0.0)
+            s = s * (scale * sm_scale_log2e)[:, None] * q_unit[None, :]
+        else:
+            s = s * sm_scale_log2e
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l = l * alpha + tl.sum(p, axis=0)
+        if FP8:
+            v_top = tl.maximum(tl.max(scale, axis=0), 1e-30)
+            if NATIVE_PV:
+                v_top = v_top / 256.0  # p lifted by 2^8: small weights stay normal in e4m3
+            p = p * (scale / v_top)[:, None]
+            alpha = alpha * (acc_unit / v_top)
+            acc_unit = v_top
+        if NATIVE_PV:
+            p8, p8l = _e4m3_parts(p, PV_PARTS)
+            acc0 = _dot(tl.trans(k0), p8, INTERPRETED) + acc0 * alpha[None, :]
+            acc1 = _dot(tl.trans(k1), p8, INTERPRETED) + acc1 * alpha[None, :]
+            acc2 = _dot(tl.trans(k2), p8, INTERPRETED) + acc2 * alpha[None, :]
+            acc3 = _dot(tl.trans(k3), p8, INTERPRETED) + acc3 * alpha[None, :]
+            if PV_PARTS == 2:
+                acc0 += _dot(tl.trans(k0), p8l, INTERPRETED)
+                acc1 += _dot(tl.trans(k1), p8l, INTERPRETED)
+                acc2 += _dot(tl.trans(k2), p8l, INTERPRETED)
+                acc3 += _dot(tl.trans(k3), p8l, INTERPRETED)
+        else:
+            pc = p.to(cdt)
+            # each quarter widened just before its product (the order is kept: the widening is
+            # not pure), so one widened quarter is live at a time, not four
+            acc0 = _dot(tl.trans(_v_operand(k0, NATIVE_QK, INTERPRETED)), pc, INTERPRETED) + (
+                acc0 * alpha[None, :]
+            )
+            acc1 = _dot(tl.trans(_v_operand(k1, NATIVE_QK, INTERPRETED)), pc, INTERPRETED) + (
+                acc1 * alpha[None, :]
+            )
+            acc2 = _dot(tl.trans(_v_operand(k2, NATIVE_QK, INTERPRETED)), pc, INTERPRETED) + (
+                acc2 * alpha[None, :]
+            )
+            acc3 = _dot(tl.trans(_v_operand(k3, NATIVE_QK, INTERPRETED)), pc, INTERPRETED) + (
+                acc3 * alpha[None, :]
+            )
+        m = m_new
+
+    empty = l == 0.0
+    l = tl.where(empty, 1.0, l)
+    lse = tl.where(empty, float("-inf"), m + tl.log2(l))
+    norm = (acc_unit / l)[None, :]
+    part = part_out + b * stride_pb + heads * stride_ph + split * stride_ps
+    dims = tl.arange(0, DQ)[:, None]
+    tl.store(part[None, :] + dims, acc0 * norm, mask=mask_h[None, :])
+    tl.store(part[None, :] + DQ + dims, acc1 * norm, mask=mask_h[None, :])
+    tl.store(part[None, :] + 2 * DQ + dims, acc2 * norm, mask=mask_h[None, :])
+    tl.store(part[None, :] + 3 * DQ + dims, acc3 * norm, mask=mask_h[None, :])
     tl.store(part_lse + (b * stride_pb + heads * stride_ph) // D + split, lse, mask=mask_h)
 
 
@@ -523,10 +798,11 @@ def paged_decode(
         if d < 16 or d & (d - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {d}")
     group = num_heads // num_kv_heads
-    cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None)
-    head_blocks = triton.cdiv(group, cfg.block_h)
     if max_seq_len is None:
         max_seq_len = int(table.lengths().max()) if batch else 0  # a host sync
+    tokens = total_tokens if total_tokens is not None else batch * max_seq_len
+    cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
+    head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
     if total_tokens is None:
@@ -568,9 +844,11 @@ def paged_decode(
         "INTERPRETED": interpreted, **launch,
     }  # fmt: skip
     if v_from_k and cfg.latent_quarters and dim >= 64:
-        _mla_kernel[(programs, splits)](
+        kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
+        kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0), **shared,
+            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+            QK_PARTS=cfg.qk_fp8_parts, PV_PARTS=cfg.pv_fp8_parts, **shared,
         )  # fmt: skip
     else:
         _split_kernel[(programs, splits)](

@@ -225,6 +225,10 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
     assert (fp8.programs_per_sm, fp8.max_registers) == (3, 168)
     assert pick_config(512, 128, mla=True).block_h == 64
+    # 64+ heads: BF16 in the transposed kernel once the batch is big enough, FP8 not
+    assert pick_config(512, 64, mla=True, tokens=64 * 4096).tokens_as_m
+    assert not pick_config(512, 64, mla=True, tokens=4096).tokens_as_m
+    assert not pick_config(512, 64, mla=True, fp8=True, tokens=64 * 4096).tokens_as_m
 
 
 def test_per_tensor_scales_read_through_a_stride_0_view():

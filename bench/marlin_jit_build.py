@@ -1,0 +1,98 @@
+"""Build SGLang 0.5.23's JIT Marlin kernels (dense ``gptq_marlin_gemm`` and MoE
+``moe_wna16_marlin_gemm``) ahead of time, the way SGLang's JIT loader builds them on first use,
+so a benchmark can load them without SGLang's runtime.
+
+SGLang compiles each kernel as one CUDA unit that includes the kernel's header and exports its
+entry point through TVM-FFI, with ``-std=c++20 -O3 --expt-relaxed-constexpr
+-DSGL_CUDA_ARCH=900 -gencode=arch=compute_90a,code=sm_90a``, and links it against libtvm_ffi
+and libcudart. This script does the same with the same flags, plus ``--split-compile=0``
+(device-code optimization on all cores; SGLang's loader runs one nvcc per unit, which took
+over 6 minutes for Marlin on one core), building both units at once. Needs nvcc, the
+``apache-tvm-ffi`` package and the kernels' source tree (``sglang/kernels/jit`` of the sglang
+wheel: ``include/`` and ``csrc/gemm/marlin*``).
+
+    python bench/marlin_jit_build.py --src JIT_DIR --out DIR [--only dense|moe]
+
+Writes ``marlin_dense.so``/``marlin_moe.so`` and ``marlin_build.json`` (commands, seconds,
+compiler output) into DIR; a benchmark loads a module with ``tvm_ffi.load_module``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+# (module, header under csrc/, exported name, the C++ function it resolves to). The MoE's
+# template flags are SGLang's defaults for bf16 without expert parallelism or bias.
+UNITS = {
+    "dense": ("gemm/marlin/gptq_marlin.cuh", "gptq_marlin_gemm", "gptq_marlin_gemm<bf16_t>"),
+    "moe": (
+        "gemm/marlin_moe/moe_wna16_marlin.cuh",
+        "moe_wna16_marlin_gemm",
+        "moe_wna16_marlin_gemm<bf16_t, false, false, false, false, false>",
+    ),
+}
+FFI_HEADERS = ("container/tensor.h", "dtype.h", "error.h", "extra/c_env_api.h", "function.h")
+
+
+def unit_source(header: Path, export: str, function: str) -> str:
+    """The CUDA unit: TVM-FFI's headers, the kernel's header, one exported function."""
+    lines = [f"#include <tvm/ffi/{h}>" for h in FFI_HEADERS]
+    lines += [f'#include "{header}"', "namespace sglang {",
+              f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({export}, ({function}));", "}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", type=Path, required=True, help="sglang/kernels/jit of the wheel")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", choices=sorted(UNITS))
+    args = ap.parse_args()
+    from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    cuda_home = Path(nvcc).resolve().parent.parent
+    lib = Path(find_libtvm_ffi())
+    includes = [find_include_path(), find_dlpack_include_path(), str(args.src / "include")]
+    flags = ["-Xcompiler", "-fPIC", "-gencode=arch=compute_90a,code=sm_90a",
+             "-DSGL_CUDA_ARCH=900", "-std=c++20", "-O3", "--expt-relaxed-constexpr",
+             "--split-compile=0", *(f"-I{p}" for p in includes)]  # fmt: skip
+    link = ["-shared", f"-L{lib.parent}", f"-l{lib.stem.removeprefix('lib')}",
+            f"-L{cuda_home}/lib64", "-lcudart", f"-Wl,-rpath,{lib.parent}"]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [args.only] if args.only else list(UNITS)
+    started, procs, record = {}, {}, {"nvcc": nvcc, "units": {}}
+    for name in names:
+        header, export, function = UNITS[name]
+        unit = args.out / f"marlin_{name}.cu"
+        unit.write_text(unit_source((args.src / "csrc" / header).resolve(), export, function))
+        obj = args.out / f"marlin_{name}.o"
+        cmd = [nvcc, *flags, "-c", str(unit), "-o", str(obj)]
+        started[name] = time.monotonic()
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)  # fmt: skip
+        record["units"][name] = {"compile": " ".join(cmd)}
+    for name, proc in procs.items():
+        out, _ = proc.communicate()
+        entry = record["units"][name]
+        entry.update(compile_s=time.monotonic() - started[name], rc=proc.returncode,
+                     log=out[-4000:])  # fmt: skip
+        if proc.returncode == 0:
+            so = args.out / f"marlin_{name}.so"
+            cmd = ["g++", str(args.out / f"marlin_{name}.o"), *link, "-o", str(so)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            entry.update(link=" ".join(cmd), link_rc=res.returncode, link_log=res.stderr[-2000:],
+                         so_bytes=so.stat().st_size if so.exists() else 0)  # fmt: skip
+        print(f"{name}: rc {proc.returncode} in {entry['compile_s']:.0f} s", flush=True)
+    (args.out / "marlin_build.json").write_text(json.dumps(record, indent=1))
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()

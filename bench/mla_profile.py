@@ -1,0 +1,59 @@
+"""One MLA decode shape for the profiler: ours BF16 and FP8 (default configs) and FlashMLA's BF16
+and FP8 kernels, each launched twice on the same pages (the first launch compiles and warms up).
+
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats -k regex:mla --csv python bench/mla_profile.py [HEADS BATCH CTX]
+
+The profile of the second launch of each kernel is the one to read; bench/results holds one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from fp8_kv_decode import PagedCase, fp8_copies
+from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
+from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
+from tessera.kernels.paged_kv import FP8_DTYPE
+
+
+def main() -> None:
+    heads, batch, ctx = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (16, 64, 16384)))
+    case = PagedCase(batch, ctx, 1, 576, 64, 576 * 2)
+    kv = torch.randn(case.num_pages, 64, 1, 576, device="cuda").bfloat16()
+    kv8, s8, kv8pt, s8pt = fp8_copies(kv)
+    q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
+    sm = 192**-0.5
+    runs = {
+        "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
+        "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
+    }
+    try:
+        import flash_mla
+
+        meta = flash_mla.get_mla_metadata()[0]
+        meta8 = flash_mla.get_mla_metadata()[0]
+        meta8.tile_scheduler_metadata, meta8.num_splits = flash_mla.get_mla_decoding_metadata(
+            case.lens, heads, 1, heads, is_fp8_kvcache=True, use_legacy=True
+        )
+        q4, q8 = q.unsqueeze(1), q.unsqueeze(1).to(FP8_DTYPE)
+        one = torch.ones(1, device="cuda")
+        runs["flashmla_bf16"] = lambda: flash_mla.flash_mla_with_kvcache(
+            q4, kv, case.block_tables[0], case.lens, 512, meta, softmax_scale=sm, use_legacy=True
+        )
+        runs["flashmla_fp8"] = lambda: flash_mla.flash_mla_with_kvcache(
+            q8, kv8pt, case.block_tables[0], case.lens, 512, meta8, softmax_scale=sm,
+            is_fp8_kvcache=True, use_legacy=True, descale_q=one, descale_k=s8pt.reshape(1),
+        )  # fmt: skip
+    except ImportError:
+        print("flash_mla not installed: ours only", file=sys.stderr)
+    for name, run in runs.items():
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        print(f"ran {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
