@@ -25,7 +25,8 @@ Conversions produce the bytes SGLang itself would have written into the destinat
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
+from collections.abc import Sequence
+from functools import cache, lru_cache
 
 import torch
 import triton
@@ -81,94 +82,106 @@ def _cast_table(kind: str, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _row(table, layer, row, ROW_BYTES: tl.constexpr, OFFSET: tl.constexpr, TYPE: tl.constexpr):
+    """Typed pointer to byte OFFSET of token row ``row`` in layer ``layer``'s buffer, whose
+    address is ``table[layer]``."""
+    base = tl.load(table + layer) + row * ROW_BYTES + OFFSET
+    return base.to(tl.pointer_type(TYPE))
+
+
+@triton.jit
 def _table_cast_rows_kernel(
-    src,
-    dst,
-    table,
+    src_table,
+    dst_table,
+    cast,
     src_rows,
     dst_rows,
-    stride_src,
-    stride_dst,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    SRC_TYPE: tl.constexpr,
+    DST_TYPE: tl.constexpr,
+    SRC_BYTES: tl.constexpr,
+    DST_BYTES: tl.constexpr,
     SRC_BITS_MASK: tl.constexpr,
 ):
-    """dst[dst_rows[i], j] = table[src[src_rows[i], j] & mask] for j < N: one row, BLOCK values."""
+    """dst[l][dst_rows[i], j] = cast[src[l][src_rows[i], j] & mask] for j < N: one row of one
+    layer, BLOCK values."""
     i = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    layer = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     mask = j < N
     s = tl.load(src_rows + i).to(tl.int64)
     d = tl.load(dst_rows + i).to(tl.int64)
-    bits = tl.load(src + s * stride_src + j, mask=mask, other=0).to(tl.int32) & SRC_BITS_MASK
-    tl.store(dst + d * stride_dst + j, tl.load(table + bits, mask=mask), mask=mask)
+    src = _row(src_table, layer, s, SRC_BYTES, 0, SRC_TYPE)
+    dst = _row(dst_table, layer, d, DST_BYTES, 0, DST_TYPE)
+    bits = tl.load(src + j, mask=mask, other=0).to(tl.int32) & SRC_BITS_MASK
+    tl.store(dst + j, tl.load(cast + bits, mask=mask), mask=mask)
 
 
 @triton.jit
 def _dsa_quantize_rows_kernel(
-    src,
-    dst_q,
-    dst_scale,
-    dst_rope,
+    src_table,
+    dst_table,
     src_rows,
     dst_rows,
-    stride_src,
-    stride_q,
-    stride_scale,
-    stride_rope,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_BLOCK: tl.constexpr,
     TILE: tl.constexpr,
+    SRC_BYTES: tl.constexpr,
+    DST_BYTES: tl.constexpr,
     E4M3: tl.constexpr,
 ):
-    """One token: per tile s = amax/448, q = e4m3(clamp(x * (1/s))); rope copied as bf16."""
+    """One token of one layer: per tile s = amax/448, q = e4m3(clamp(x * (1/s))); rope copied."""
     i = tl.program_id(0)
+    layer = tl.program_id(1)
     s = tl.load(src_rows + i).to(tl.int64)
     d = tl.load(dst_rows + i).to(tl.int64)
+    src = _row(src_table, layer, s, SRC_BYTES, 0, tl.bfloat16)
     tiles = tl.arange(0, NOPE // TILE)
     offs = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
-    x = tl.load(src + s * stride_src + offs).to(tl.float32)
+    x = tl.load(src + offs).to(tl.float32)
     scale = tl.max(tl.abs(x), axis=1) / E4M3
     inv = 1.0 / scale
-    q = tl.clamp(x * inv[:, None], -E4M3, E4M3).to(dst_q.dtype.element_ty)
-    tl.store(dst_q + d * stride_q + offs, q)
-    tl.store(dst_scale + d * stride_scale + tiles, scale)
+    q = tl.clamp(x * inv[:, None], -E4M3, E4M3).to(tl.float8e4nv)
+    tl.store(_row(dst_table, layer, d, DST_BYTES, 0, tl.float8e4nv) + offs, q)
+    tl.store(_row(dst_table, layer, d, DST_BYTES, NOPE, tl.float32) + tiles, scale)
     if ROPE > 0:
         r = tl.arange(0, ROPE_BLOCK)
-        rope = tl.load(src + s * stride_src + NOPE + r, mask=r < ROPE)
-        tl.store(dst_rope + d * stride_rope + r, rope, mask=r < ROPE)
+        rope = tl.load(src + NOPE + r, mask=r < ROPE)
+        dst_rope = _row(dst_table, layer, d, DST_BYTES, NOPE + 4 * (NOPE // TILE), tl.bfloat16)
+        tl.store(dst_rope + r, rope, mask=r < ROPE)
 
 
 @triton.jit
 def _dsa_dequantize_rows_kernel(
-    src_q,
-    src_scale,
-    src_rope,
-    dst,
+    src_table,
+    dst_table,
     src_rows,
     dst_rows,
-    stride_q,
-    stride_scale,
-    stride_rope,
-    stride_dst,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_BLOCK: tl.constexpr,
     TILE: tl.constexpr,
+    SRC_BYTES: tl.constexpr,
+    DST_BYTES: tl.constexpr,
 ):
-    """One token: x = bf16(float(q) * s) per tile; rope copied."""
+    """One token of one layer: x = bf16(float(q) * s) per tile; rope copied."""
     i = tl.program_id(0)
+    layer = tl.program_id(1)
     s = tl.load(src_rows + i).to(tl.int64)
     d = tl.load(dst_rows + i).to(tl.int64)
     tiles = tl.arange(0, NOPE // TILE)
     offs = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
-    q = tl.load(src_q + s * stride_q + offs).to(tl.float32)
-    scale = tl.load(src_scale + s * stride_scale + tiles)
-    tl.store(dst + d * stride_dst + offs, (q * scale[:, None]).to(dst.dtype.element_ty))
+    q = tl.load(_row(src_table, layer, s, SRC_BYTES, 0, tl.float8e4nv) + offs).to(tl.float32)
+    scale = tl.load(_row(src_table, layer, s, SRC_BYTES, NOPE, tl.float32) + tiles)
+    dst = _row(dst_table, layer, d, DST_BYTES, 0, tl.bfloat16)
+    tl.store(dst + offs, (q * scale[:, None]).to(tl.bfloat16))
     if ROPE > 0:
         r = tl.arange(0, ROPE_BLOCK)
-        rope = tl.load(src_rope + s * stride_rope + r, mask=r < ROPE)
-        tl.store(dst + d * stride_dst + NOPE + r, rope, mask=r < ROPE)
+        src_rope = _row(src_table, layer, s, SRC_BYTES, NOPE + 4 * (NOPE // TILE), tl.bfloat16)
+        rope = tl.load(src_rope + r, mask=r < ROPE)
+        tl.store(dst + NOPE + r, rope, mask=r < ROPE)
 
 
 def _dsa_views(
@@ -183,24 +196,35 @@ def _dsa_views(
     return q, scale, rope
 
 
+Layers = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _layers(x: Layers) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
 def _check(
-    src: torch.Tensor,
+    src: list[torch.Tensor],
     src_layout: MLAKVLayout,
-    dst: torch.Tensor,
+    dst: list[torch.Tensor],
     dst_layout: MLAKVLayout,
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
 ) -> None:
     if not convertible(src_layout, dst_layout):
         raise ValueError(f"no conversion from {src_layout} to {dst_layout}")
-    for name, rows, layout in (("src", src, src_layout), ("dst", dst, dst_layout)):
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != layout.token_bytes:
-            raise ValueError(
-                f"{name} must be uint8 token rows [n, {layout.token_bytes}] for {layout}, got "
-                f"{rows.dtype} {tuple(rows.shape)}"
-            )
-        if rows.stride(1) != 1:
-            raise ValueError(f"{name} rows must be contiguous along the row")
+    if len(src) != len(dst) or not src:
+        raise ValueError(f"src and dst must list the same layers, got {len(src)} and {len(dst)}")
+    for name, layers, layout in (("src", src, src_layout), ("dst", dst, dst_layout)):
+        for rows in layers:
+            if (rows.dtype != torch.uint8 or rows.dim() != 2
+                    or rows.shape[1] != layout.token_bytes):
+                raise ValueError(
+                    f"{name} must be uint8 token rows [n, {layout.token_bytes}] for {layout}, "
+                    f"got {rows.dtype} {tuple(rows.shape)}"
+                )
+            if not rows.is_contiguous():
+                raise ValueError(f"{name} rows must be contiguous")
     if src_rows.shape != dst_rows.shape or src_rows.dim() != 1:
         raise ValueError(
             f"src_rows and dst_rows must be 1-D and equally long, got {tuple(src_rows.shape)} "
@@ -208,95 +232,95 @@ def _check(
         )
 
 
+def _address_table(layers: list[torch.Tensor]) -> torch.Tensor:
+    return _addresses_on(tuple(t.data_ptr() for t in layers), layers[0].device)
+
+
+@lru_cache(maxsize=64)
+def _addresses_on(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The layers' addresses as a device tensor; a transfer worker converts from the same pool
+    layers into the same staging regions every time, so this is built once per buffer."""
+    return torch.tensor(addresses, dtype=torch.int64).to(device)
+
+
 def convert_rows(
-    src: torch.Tensor,
+    src: Layers,
     src_layout: MLAKVLayout,
-    dst: torch.Tensor,
+    dst: Layers,
     dst_layout: MLAKVLayout,
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
 ) -> None:
-    """Write token row ``src_rows[i]`` of ``src`` (in ``src_layout``) into row ``dst_rows[i]``
-    of ``dst`` (in ``dst_layout``). Both are uint8 ``[rows, token_bytes]`` views of a pool
-    layer or a staging buffer; launches on the current stream of their device."""
+    """Write token row ``src_rows[i]`` of each layer of ``src`` (in ``src_layout``) into row
+    ``dst_rows[i]`` of the same layer of ``dst`` (in ``dst_layout``), every layer in one launch.
+    A layer is a contiguous uint8 ``[rows, token_bytes]`` view of a pool layer or of a staging
+    region; ``src`` and ``dst`` are one such view or a list, one per layer. Launches on the
+    current stream of their device."""
+    src, dst = _layers(src), _layers(dst)
     _check(src, src_layout, dst, dst_layout, src_rows, dst_rows)
-    n = src_rows.numel()
+    n, layers = src_rows.numel(), len(src)
     if n == 0:
         return
-    values = src_layout.nope + src_layout.rope
-    kinds = (src_layout.kind, dst_layout.kind)
     if src_layout == dst_layout:
-        dst[dst_rows] = src[src_rows]
-    elif kinds in (("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16")):
+        for s, d in zip(src, dst, strict=True):
+            d[dst_rows] = s[src_rows]
+        return
+    src_table, dst_table = _address_table(src), _address_table(dst)
+    kinds = (src_layout.kind, dst_layout.kind)
+    values = src_layout.nope + src_layout.rope
+    dims = {
+        "NOPE": src_layout.nope,
+        "ROPE": src_layout.rope,
+        "ROPE_BLOCK": triton.next_power_of_2(max(src_layout.rope, 1)),
+        "TILE": DSA_TILE,
+        "SRC_BYTES": src_layout.token_bytes,
+        "DST_BYTES": dst_layout.token_bytes,
+    }
+    if kinds in (("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16")):
         to_fp8 = kinds[0] == "bf16"
-        table = _cast_table("bf16->fp8" if to_fp8 else "fp8->bf16", src.device)
-        s = src.view(torch.int16) if to_fp8 else src
-        d = dst if to_fp8 else dst.view(torch.int16)
+        cast = _cast_table("bf16->fp8" if to_fp8 else "fp8->bf16", src[0].device)
         block = 1024
-        _table_cast_rows_kernel[(n, triton.cdiv(values, block))](
-            s,
-            d,
-            table,
+        _table_cast_rows_kernel[(n, layers, triton.cdiv(values, block))](
+            src_table,
+            dst_table,
+            cast,
             src_rows,
             dst_rows,
-            s.stride(0),
-            d.stride(0),
             N=values,
             BLOCK=block,
+            SRC_TYPE=tl.int16 if to_fp8 else tl.uint8,
+            DST_TYPE=tl.uint8 if to_fp8 else tl.int16,
+            SRC_BYTES=src_layout.token_bytes,
+            DST_BYTES=dst_layout.token_bytes,
             SRC_BITS_MASK=0xFFFF if to_fp8 else 0xFF,
         )
     elif kinds == ("bf16", "fp8_e4m3_dsa"):
-        s = src.view(torch.bfloat16)
-        q, scale, rope = _dsa_views(dst, dst_layout)
-        _dsa_quantize_rows_kernel[(n,)](
-            s,
-            q,
-            scale,
-            rope,
-            src_rows,
-            dst_rows,
-            s.stride(0),
-            q.stride(0),
-            scale.stride(0),
-            rope.stride(0),
-            NOPE=src_layout.nope,
-            ROPE=src_layout.rope,
-            ROPE_BLOCK=triton.next_power_of_2(max(src_layout.rope, 1)),
-            TILE=DSA_TILE,
-            E4M3=E4M3_MAX,
+        _dsa_quantize_rows_kernel[(n, layers)](
+            src_table, dst_table, src_rows, dst_rows, E4M3=E4M3_MAX, **dims
         )
     else:  # ("fp8_e4m3_dsa", "bf16")
-        q, scale, rope = _dsa_views(src, src_layout)
-        d = dst.view(torch.bfloat16)
-        _dsa_dequantize_rows_kernel[(n,)](
-            q,
-            scale,
-            rope,
-            d,
-            src_rows,
-            dst_rows,
-            q.stride(0),
-            scale.stride(0),
-            rope.stride(0),
-            d.stride(0),
-            NOPE=src_layout.nope,
-            ROPE=src_layout.rope,
-            ROPE_BLOCK=triton.next_power_of_2(max(src_layout.rope, 1)),
-            TILE=DSA_TILE,
+        _dsa_dequantize_rows_kernel[(n, layers)](
+            src_table, dst_table, src_rows, dst_rows, **dims
         )
 
 
 def convert_rows_ref(
-    src: torch.Tensor,
+    src: Layers,
     src_layout: MLAKVLayout,
-    dst: torch.Tensor,
+    dst: Layers,
     dst_layout: MLAKVLayout,
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
 ) -> None:
     """Pure-torch ``convert_rows``."""
+    src, dst = _layers(src), _layers(dst)
     _check(src, src_layout, dst, dst_layout, src_rows, dst_rows)
-    rows = src[src_rows.long()]
+    for s, d in zip(src, dst, strict=True):
+        d[dst_rows.long()] = _convert_ref(s[src_rows.long()], src_layout, dst_layout)
+
+
+def _convert_ref(rows: torch.Tensor, src_layout: MLAKVLayout,
+                 dst_layout: MLAKVLayout) -> torch.Tensor:
     nope = src_layout.nope
     kinds = (src_layout.kind, dst_layout.kind)
     if src_layout == dst_layout:
@@ -322,7 +346,7 @@ def convert_rows_ref(
         q, scale, rope = _dsa_views(rows, src_layout)
         tiles = q.float().unflatten(1, (-1, DSA_TILE)) * scale[:, :, None]
         out = torch.cat([tiles.flatten(1).to(torch.bfloat16), rope], dim=1).view(torch.uint8)
-    dst[dst_rows.long()] = out
+    return out
 
 
 def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -214,19 +214,24 @@ class Handover:
         stream: Any,
     ) -> list[int]:
         """Each entry's pages into its region of ``buf``, rows 0..n*page_size-1; the regions'
-        addresses, once the conversion has finished."""
+        addresses, once the conversion has finished. Entries of one layout pair (every
+        layer of the model; a draft model's may differ) convert in one launch."""
         rows = page_rows(pages.to(buf.device), self.page_size)
-        ptrs, offset = [], 0
+        to = torch.arange(rows.numel(), device=buf.device)
+        regions, offset = [], 0
+        for width in token_bytes:
+            regions.append(buf[offset : offset + rows.numel() * width].view(-1, width))
+            offset += rows.numel() * width
+        groups: dict[tuple[MLAKVLayout, MLAKVLayout], list[int]] = {}
+        for i, pair in enumerate(zip(plan.src, plan.dst, strict=True)):
+            groups.setdefault(pair, []).append(i)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for src_rows, src, dst, width in zip(pool, plan.src, plan.dst, token_bytes):
-                region = buf[offset : offset + rows.numel() * width].view(-1, width)
-                convert_rows(src_rows, src, region, dst, rows, torch.arange(rows.numel(),
-                                                                            device=buf.device))
-                ptrs.append(region.data_ptr())
-                offset += rows.numel() * width
+            for (src, dst), entries in groups.items():
+                convert_rows([pool[i] for i in entries], src, [regions[i] for i in entries],
+                             dst, rows, to)
         if stream is not None:
             stream.synchronize()
-        return ptrs
+        return [region.data_ptr() for region in regions]
 
 
 def _peer_converts(bootstrap_addr: str, decode_dtype: str) -> tuple[bool, str]:

@@ -7,6 +7,11 @@ dequantize kernels (the DSA layout); the MLA FP8 cast is SGLang's torch cast in 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,8 +23,28 @@ from tessera.kernels.mla_kv_handover import (
     page_rows,
 )
 
-sglang_dsa = pytest.importorskip("sglang.kernels.ops.quantization.dsa_quant_k_cache")
-sglang_dequant = pytest.importorskip("sglang.kernels.ops.attention.dsa.dequant_k_cache")
+
+
+def _sglang_module(name: str, file: str):  # type: ignore[no-untyped-def]
+    """SGLang's own kernel module: from the installed package, or on a machine without SGLang
+    from its source file in $TESSERA_SGLANG_SOURCES (the GPU runs)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        folder = os.environ.get("TESSERA_SGLANG_SOURCES")
+        if not folder:
+            pytest.skip("needs SGLang's kernels (installed, or TESSERA_SGLANG_SOURCES)",
+                        allow_module_level=True)
+        spec = importlib.util.spec_from_file_location(file, Path(folder) / file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+sglang_dsa = _sglang_module("sglang.kernels.ops.quantization.dsa_quant_k_cache",
+                            "dsa_quant_k_cache.py")
+sglang_dequant = _sglang_module("sglang.kernels.ops.attention.dsa.dequant_k_cache",
+                                "dequant_k_cache.py")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(128, 64), (256, 0)] if DEVICE == "cpu" else [(512, 64)]
@@ -146,3 +171,69 @@ def test_layouts_and_refusals() -> None:
     with pytest.raises(ValueError, match="unknown MLA KV layout"):
         MLAKVLayout("fp4")
     assert page_rows(torch.tensor([2, 0]), 3).tolist() == [6, 7, 8, 0, 1, 2]
+
+
+@pytest.mark.parametrize("pair", [("bf16", "fp8_e4m3"), ("bf16", "fp8_e4m3_dsa"),
+                                  ("fp8_e4m3_dsa", "bf16")])
+def test_every_layer_in_one_launch_matches_one_layer_at_a_time(pair: tuple[str, str]) -> None:
+    src, dst = MLAKVLayout(pair[0], 128, 64), MLAKVLayout(pair[1], 128, 64)
+    g = torch.Generator().manual_seed(5)
+    layers = []
+    for _ in range(3):  # separate buffers, as a pool's layers are
+        x = (torch.randn(10, 192, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+        rows = torch.zeros(10, src.token_bytes, dtype=torch.uint8, device=DEVICE)
+        idx = torch.arange(10, device=DEVICE)
+        convert_rows(x.view(torch.uint8), MLAKVLayout("bf16", 128, 64), rows, src, idx, idx)
+        layers.append(rows)
+    staging = torch.zeros(3 * 4, dst.token_bytes, dtype=torch.uint8, device=DEVICE)
+    regions = list(staging.view(3, 4, -1).unbind(0))
+    pages = torch.tensor([7, 2, 9, 4], device=DEVICE)
+    to = torch.arange(4, device=DEVICE)
+    convert_rows(layers, src, regions, dst, pages, to)
+    for layer, region in zip(layers, regions, strict=True):
+        alone = torch.zeros_like(region)
+        convert_rows(layer, src, alone, dst, pages, to)
+        assert torch.equal(region, alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layers,src_kind,dst_kind", [
+    (61, "bf16", "fp8_e4m3"), (61, "fp8_e4m3", "bf16"),  # Kimi K2
+    (78, "bf16", "fp8_e4m3_dsa"), (78, "fp8_e4m3_dsa", "bf16"),  # GLM 5
+], ids=["kimi-bf16-fp8", "kimi-fp8-bf16", "glm-bf16-fp8", "glm-fp8-bf16"])
+def test_an_8k_request_at_real_layer_shapes_is_sglangs_bytes(
+        layers: int, src_kind: str, dst_kind: str) -> None:
+    """Every layer of one 8k-token request, scattered over 64-token pages of a larger pool,
+    in one launch, against SGLang's own write of the values the source pool holds."""
+    src, dst = MLAKVLayout(src_kind), MLAKVLayout(dst_kind)
+    bf16 = MLAKVLayout("bf16")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pages = torch.randperm(256, generator=g, device="cuda")[:128]
+    rows = page_rows(pages, 64)
+    to = torch.arange(rows.numel(), device="cuda")
+    pool, expected = [], []
+    for _ in range(layers):
+        x = (torch.randn(256 * 64, 576, generator=g, device="cuda") * 4).to(torch.bfloat16)
+        if src == bf16:
+            held = x
+            pool.append(x.view(torch.uint8))
+        elif src_kind == "fp8_e4m3":
+            pool.append(_mla_pool_bytes(x, torch.float8_e4m3fn))
+            held = pool[-1].view(torch.float8_e4m3fn).to(torch.bfloat16)
+        else:
+            pool.append(_sglang_dsa_rows(x, 512))
+            held = sglang_dequant.dequantize_k_cache(
+                pool[-1].view(torch.float8_e4m3fn).view(x.shape[0], 1, -1)).view(x.shape[0], -1)
+        held = held[rows]
+        if dst_kind == "bf16":
+            expected.append(held.contiguous().view(torch.uint8))
+        elif dst_kind == "fp8_e4m3":
+            expected.append(_mla_pool_bytes(held, torch.float8_e4m3fn))
+        else:
+            expected.append(_sglang_dsa_rows(held.contiguous(), 512))
+    staging = torch.empty(layers, rows.numel(), dst.token_bytes, dtype=torch.uint8,
+                          device="cuda")
+    convert_rows(pool, src, list(staging.unbind(0)), dst, rows, to)
+    for layer in range(layers):
+        assert torch.equal(staging[layer], expected[layer]), f"layer {layer}"
