@@ -437,9 +437,13 @@ class DevCluster:
         webhook configurations once its webhook server answers."""
         # Server-side: the CRD is too large for the last-applied annotation.
         self.kubectl("apply", "--server-side", "-f", str(self.binaries.lws_crds))
-        wait_s = max(1, int(deadline - time.monotonic()))
-        self.kubectl("wait", "--for=condition=Established", f"crd/{LWS_CRD}",
-                     f"--timeout={wait_s}s", timeout=wait_s + 10)
+        # (`kubectl wait` fails at once on a CRD that has no conditions yet.)
+        while not _established(json.loads(self.kubectl("get", f"crd/{LWS_CRD}", "-o",
+                                                       "json").stdout)):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"LeaderWorkerSet's CRD {LWS_CRD} was not established in "
+                                   "time; see the kube-apiserver log")
+            time.sleep(0.1)
         port = free_port()
         self.layout.lws_config.write_text(yaml.safe_dump(lws_config(pki, port)))
         proc = self._spawn("lws-controller", lws_argv(self.binaries.lws_controller, self.layout))
@@ -536,6 +540,11 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _established(crd: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Established" and c.get("status") == "True"
+               for c in crd.get("status", {}).get("conditions") or [])
 
 
 def _tls_ok(port: int, ca_cert: Path) -> bool:
