@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import importlib
 import importlib.metadata
 import json
 import math
@@ -80,7 +81,11 @@ from decode_slice_plan import (
     weights_comparison,
 )
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
-from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16, paged_decode_mla_bf16_ref
+from tessera.kernels.paged_decode_bf16 import (
+    MLA_ROPE_DIM,
+    paged_decode_mla_bf16,
+    paged_decode_mla_bf16_ref,
+)
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
@@ -506,6 +511,8 @@ class Batch:
     table: PageTable
     token_ids: torch.Tensor  # int64 [B]
     integrity: IntegrityCheck
+    block_table: torch.Tensor  # int32 [B, pages]: each request's pages (FlashMLA's table)
+    flashmla_meta: dict = field(default_factory=dict)  # KV dtype -> FlashMLA's split schedule
 
     @property
     def max_len(self) -> int:
@@ -545,7 +552,8 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
         PAGE_SIZE,
     )
     token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
-    return Batch(lengths, table, token_ids, check)
+    block_table = (check.table[:, ::PAGE_SIZE] // PAGE_SIZE).contiguous()  # page 0: padding
+    return Batch(lengths, table, token_ids, check, block_table)
 
 
 # ---------------------------------------------------------------------------- ops
@@ -554,8 +562,9 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
 class KernelOps:
     """The kernels a serving GPU runs."""
 
-    def __init__(self, sglang: SglangKernels | None) -> None:
+    def __init__(self, sglang: SglangKernels | None, flashmla: Any = None) -> None:
         self.sglang = sglang
+        self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
 
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
@@ -599,6 +608,8 @@ class KernelOps:
     write_fp8 = staticmethod(write_kv_fp8)
 
     def attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
+        if self.flashmla is not None:
+            return self.flashmla_attend(q, cache, batch, sm_scale)
         if cache.scale is None:
             return paged_decode_mla_bf16(q, cache.rows, batch.table, sm_scale,
                                          max_seq_len=batch.max_len,
@@ -606,6 +617,32 @@ class KernelOps:
         return paged_decode_mla_fp8(q, cache.rows, cache.scale, batch.table, sm_scale,
                                     max_seq_len=batch.max_len,
                                     total_tokens=batch.total_len)  # fmt: skip
+
+    def flashmla_attend(self, q: torch.Tensor, cache: KVCache, batch: Batch, sm_scale: float):
+        """SGLang's flashmla backend's call (the legacy SM90 dense kernels): the same 64-token
+        pages, the FP8 cache with its per-tensor scale, q cast to e4m3 each step as SGLang
+        does. The split schedule is made once per batch (before the graphs are captured)."""
+        fm, fp8 = self.flashmla, cache.scale is not None
+        heads, latent = q.shape[1], cache.rows.shape[-1] - MLA_ROPE_DIM
+        lens = batch.integrity.seq_lens
+        meta = batch.flashmla_meta.get(fp8)
+        if meta is None:
+            meta = fm.get_mla_metadata()[0]  # BF16: filled by the first call
+            if fp8:
+                meta.tile_scheduler_metadata, meta.num_splits = fm.get_mla_decoding_metadata(
+                    lens, heads, 1, heads, is_fp8_kvcache=True, use_legacy=True)  # fmt: skip
+            batch.flashmla_meta[fp8] = meta
+        pages = cache.rows.view(-1, PAGE_SIZE, 1, cache.rows.shape[-1])
+        if not fp8:
+            return fm.flash_mla_with_kvcache(q.unsqueeze(1), pages, batch.block_table, lens,
+                                             latent, meta, softmax_scale=sm_scale,
+                                             use_legacy=True)[0].squeeze(1)  # fmt: skip
+        descale = cache.scale.reshape(1)
+        return fm.flash_mla_with_kvcache(q.unsqueeze(1).to(FP8_DTYPE), pages,
+                                         batch.block_table, lens, latent, meta,
+                                         softmax_scale=sm_scale, is_fp8_kvcache=True,
+                                         use_legacy=True, descale_q=torch.ones_like(descale),
+                                         descale_k=descale)[0].squeeze(1)  # fmt: skip
 
     def integrity(self, batch: Batch) -> torch.Tensor:
         return batch.integrity.step()
@@ -870,7 +907,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             t1 = time.time()
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
-                             routing[c], KernelOps(sglang))  # fmt: skip
+                             routing[c], KernelOps(sglang, args.flashmla))  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
             if w == "fp8":
                 key = str(c)
@@ -1054,6 +1091,8 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
         "sglang_kernels": f"sglang {sglang_version}: {sglang_src.name}, fp8_kernel.py",
         "commit": args.commit or run("git", "rev-parse", "HEAD"),
+        "attention": "FlashMLA (sgl-flash-mla 1.0.0, legacy SM90 dense)"
+        if args.attention == "flashmla" else "ours (paged_decode_mla_bf16 / _fp8)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1154,6 +1193,12 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="recorded when git is not available")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--attention",
+        choices=("ours", "flashmla"),
+        default="ours",
+        help="decode attention: our paged kernels or FlashMLA (sgl-flash-mla)",
+    )
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
@@ -1175,6 +1220,7 @@ def main() -> None:
     models = args.models.split(",")
     sglang_src = find_sglang_source("fused_moe_triton_kernels.py", args.sglang_src)
     sglang = load_sglang_kernels(args.sglang_src)
+    args.flashmla = importlib.import_module("flash_mla") if args.attention == "flashmla" else None
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_slice{args.tag}.json"
