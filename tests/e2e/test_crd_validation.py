@@ -96,6 +96,11 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["spec.model.architecture", "needs a preset or an inline config"]),
     ("name too long for child names", lambda m: m["metadata"].update(name="x" * 41),
      ["metadata.name", "40"]),
+    # Valid names for a custom resource (DNS subdomains), but not for its Services.
+    ("name with a dot", lambda m: m["metadata"].update(name="kimi.k2"),
+     ["metadata.name", "must be a DNS-1035 label", "e.g. kimi-k2"]),
+    ("name starting with a digit", lambda m: m["metadata"].update(name="2kimi"),
+     ["metadata.name", "must be a DNS-1035 label", "starting with a letter"]),
     ("unknown router policy", lambda m: m["spec"].update(router={"policy": "fastest"}),
      ["spec.router.policy", "Unsupported value"]),
     ("unknown kernel provider", lambda m: m["spec"]["decode"].update(kernels={"w4a16": "marlin"}),
