@@ -138,8 +138,8 @@ def test_alerts_pass_a_server_side_dry_run_as_a_prometheus_rule(
     assert result.returncode == 0, result.stderr
     assert (f"prometheusrule.monitoring.coreos.com/{RELEASE}-alerts serverside-applied "
             "(server dry run)") in result.stdout
-    # The schema above judges the rendered rules: one without an expr is refused.
-    broken = manifests.replace("expr: >-", "exp: >-", 1)
+    # The schema above judges the rendered rules: a duration Prometheus cannot read is refused.
+    broken = manifests.replace("for: 5m", "for: 5 minutes", 1)
     assert broken != manifests
     refused = dry_run(cluster, broken)
-    assert refused.returncode != 0 and "expr" in refused.stderr
+    assert refused.returncode != 0 and "rules[1].for" in refused.stderr, refused.stderr
