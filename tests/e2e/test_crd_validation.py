@@ -108,18 +108,46 @@ CASES: list[tuple[str, Edit, list[str]]] = [
     ("conversion into a non-pvc output", lambda m: m["spec"]["decode"]["weights"].update(
         convertFrom={"uri": "pvc://ckpt/fp8"}),
      ["spec.decode.weights.convertFrom", "needs dtype int4 and a pvc:// uri"]),
-    ("conversion from a non-pvc source", lambda m: m["spec"]["decode"]["weights"].update(
-        uri="pvc://ckpt/i4", convertFrom={"uri": "hf://m/fp8"}),
-     ["spec.decode.weights.convertFrom.uri", "must be pvc://claim/dir"]),
+    ("conversion from an unknown scheme", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="pvc://ckpt/i4", convertFrom={"uri": "http://m/fp8"}),
+     ["spec.decode.weights.convertFrom.uri", "must be pvc://claim/dir, hf://org/repo"]),
+    ("cache for weights read in place", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="pvc://ckpt/i4", cache={"pvc": "model-cache"}),
+     ["spec.decode.weights.cache", "applies to hf://, s3:// and gs:// weights"]),
+    ("credentials for weights not fetched", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="file:///opt/i4", credentialsSecret="hf-token"),
+     ["spec.decode.weights.credentialsSecret", "these weights are not fetched"]),
+    ("cache without a claim", lambda m: m["spec"]["decode"]["weights"].update(cache={}),
+     ["spec.decode.weights.cache.pvc", "Required value"]),
+    ("hf uri without an org", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="hf://just-a-name"), ["spec.decode.weights.uri", "hf://org/repo@revision"]),
+    ("s3 bucket in capitals", lambda m: m["spec"]["decode"]["weights"].update(
+        uri="s3://Weights/kimi"), ["spec.decode.weights.uri", "s3://bucket/dir"]),
     ("conversion on prefill", lambda m: m["spec"]["prefill"]["weights"].update(
         dtype="int4", uri="pvc://ckpt/i4", convertFrom={"uri": "pvc://ckpt/fp8"}),
      ["spec: Invalid value", "convertFrom applies to the decode or single phase"]),
 ]
 
 
-def test_conversion_into_a_pvc_is_accepted(crd: None, kubectl: Any, namespace: str) -> None:
+@pytest.mark.parametrize("source", ["pvc://ckpt/fp8", "hf://moonshotai/Kimi-K2-Instruct@a1b2",
+                                    "s3://weights/kimi/fp8"])
+def test_conversion_into_a_pvc_is_accepted(crd: None, kubectl: Any, namespace: str,
+                                           source: str) -> None:
     m = valid()
-    m["spec"]["decode"]["weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": "pvc://ckpt/fp8"})
+    m["spec"]["decode"]["weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": source})
+    if not source.startswith("pvc://"):  # the fetch of a remote source may carry credentials
+        m["spec"]["decode"]["weights"]["credentialsSecret"] = "hf-token"
+    kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
+
+
+def test_fetched_weights_with_a_cache_and_credentials_are_accepted(crd: None, kubectl: Any,
+                                                                   namespace: str) -> None:
+    m = valid()
+    m["spec"]["prefill"]["weights"].update(uri="s3://weights.example/kimi/fp8",
+                                           cache={"pvc": "model-cache"},
+                                           credentialsSecret="s3-reader")
+    m["spec"]["decode"]["weights"].update(uri="hf://moonshotai/Kimi-K2-Instruct-w4a16@main",
+                                          cache={"pvc": "model-cache"})
     kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
 
 
