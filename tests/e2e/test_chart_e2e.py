@@ -257,6 +257,14 @@ def test_operator_as_the_charts_service_account_reconciles_an_example(
     applies = [line for line in metrics.splitlines()
                if line.startswith('tessera_operator_writes_total{action="apply"}')]
     assert applies and float(applies[0].split()[-1]) > 0, metrics[:2000]
+    # The per-deployment gauges the chart's dashboard and alerts read, from what it reconciled.
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith("tessera_modeldeployment_")}
+    labels = f'deployment="{name}",namespace="{namespace}",phase="decode"'
+    desired = samples[f"tessera_modeldeployment_replicas{{{labels}}}"]
+    assert desired > 0 and samples[f"tessera_modeldeployment_ready_replicas{{{labels}}}"] == desired
+    assert samples[f'tessera_modeldeployment_condition{{deployment="{name}",namespace="{namespace}"'
+                   ',reason="AllReady",status="True",type="Ready"}'] == 1
 
     # The ServiceAccount cannot do what the operator never needs.
     for verb, resource in (("get", "secrets"), ("create", "pods"), ("delete", "nodes"),
