@@ -41,9 +41,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -415,14 +416,16 @@ def _install_decode(common_cls: Any, receiver_cls: Any, info_cls: Any) -> None:
     receiver_cls.init = init
 
 
-def register() -> None:
-    """Entry point: install when tessera runs this engine in a PD pool."""
-    import os
-
+def register(env: Mapping[str, str] = os.environ) -> None:
+    """Entry point: install when tessera runs this engine in a PD pool (both roles: a decode
+    must accept a converting prefill, a prefill must convert for its decodes)."""
     from tessera.runtime.config import ENV_CONFIG, RuntimeConfig
 
-    if not os.environ.get(ENV_CONFIG):
-        return
-    config = RuntimeConfig.from_env(dict(os.environ))
-    if config.phase in ("prefill", "decode"):
+    if not env.get(ENV_CONFIG):
+        return  # SGLang started without tessera: nothing to do
+    if RuntimeConfig.from_env(dict(env)).phase in ("prefill", "decode"):
         install()
+
+
+def installed() -> bool:
+    return _installed
