@@ -2,8 +2,8 @@
 
 - `kubectl explain` prints the CRD's own descriptions, down to md.spec.decode.kvCache.dtype;
 - the chart rendered with the alerts and the dashboard on passes a server-side dry run, both
-  as a plain rules ConfigMap (no Prometheus Operator) and as a PrometheusRule once a
-  monitoring.coreos.com/v1 PrometheusRule CRD is served.
+  as a plain rules ConfigMap (no Prometheus Operator) and as a PrometheusRule (with the engines'
+  PodMonitor) once monitoring.coreos.com/v1 PrometheusRule and PodMonitor CRDs are served.
 """
 
 from __future__ import annotations
@@ -125,18 +125,61 @@ PROMETHEUS_RULE_CRD = {
                                 }}}}}}}}}}}}]}}
 
 
-def test_alerts_pass_a_server_side_dry_run_as_a_prometheus_rule(
+# Likewise for the PodMonitor of the engine pods.
+PODMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com", "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "listKind": "PodMonitorList", "plural": "podmonitors",
+                  "singular": "podmonitor"},
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+            "openAPIV3Schema": {"type": "object", "required": ["spec"], "properties": {
+                "spec": {"type": "object", "required": ["selector"], "properties": {
+                    "namespaceSelector": {"type": "object", "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                    "selector": {"type": "object", "properties": {
+                        "matchLabels": {"type": "object",
+                                        "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {"type": "array", "items": {
+                            "type": "object", "required": ["key", "operator"],
+                            "properties": {
+                                "key": {"type": "string"},
+                                "operator": {"type": "string"},
+                                "values": {"type": "array", "items": {"type": "string"}}}}}}},
+                    "podMetricsEndpoints": {"type": "array", "items": {
+                        "type": "object", "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string",
+                                         "pattern": "^(0|([0-9]+(ms|s|m|h|d|w|y))+)$"},
+                            "relabelings": {"type": "array", "items": {
+                                "type": "object", "properties": {
+                                    "sourceLabels": {"type": "array", "items": {
+                                        "type": "string",
+                                        "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+                                    "targetLabel": {"type": "string"},
+                                    "regex": {"type": "string"},
+                                    "action": {"type": "string"}}}}}}}}}}}}}]}}
+
+
+def test_alerts_and_pod_monitor_pass_a_server_side_dry_run_with_the_prometheus_operator(
         cluster: Any, namespace: str) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", "-",
-                    input=yaml.safe_dump(PROMETHEUS_RULE_CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/prometheusrules.monitoring.coreos.com")
+    for crd in (PROMETHEUS_RULE_CRD, PODMONITOR_CRD):
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(crd))
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                        f"crd/{crd['metadata']['name']}")
     manifests = template(cluster, namespace, "--api-versions",
-                         "monitoring.coreos.com/v1/PrometheusRule")
+                         "monitoring.coreos.com/v1/PrometheusRule",
+                         "--set", "metrics.podMonitor.enabled=true")
     assert kinds_named(manifests)[f"{RELEASE}-alerts"] == "PrometheusRule"
+    assert kinds_named(manifests)[f"{RELEASE}-engines"] == "PodMonitor"
     result = dry_run(cluster, manifests)
     assert result.returncode == 0, result.stderr
     assert (f"prometheusrule.monitoring.coreos.com/{RELEASE}-alerts serverside-applied "
+            "(server dry run)") in result.stdout
+    assert (f"podmonitor.monitoring.coreos.com/{RELEASE}-engines serverside-applied "
             "(server dry run)") in result.stdout
     # The schema above judges the rendered rules: a duration Prometheus cannot read is refused.
     broken = manifests.replace("for: 5m", "for: 5 minutes", 1)

@@ -421,5 +421,42 @@ def test_service_monitor_keeps_the_deployments_namespace_label() -> None:
 
 def test_helm_lint_strict_with_everything_on() -> None:
     out = helm("lint", "--strict", str(CHART), "--set", "alerts.enabled=true",
-               "--set", "dashboard.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+               "--set", "dashboard.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+               "--set", "metrics.podMonitor.enabled=true")
     assert "0 chart(s) failed" in out
+
+
+def _selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    in_sets = all(labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]
+                  if e["operator"] == "In")
+    return in_sets and selector["matchLabels"].items() <= labels.items()
+
+
+def test_pod_monitor_scrapes_the_engine_pods_the_operator_makes_with_their_labels() -> None:
+    from tessera.operator import constants as c
+    from tessera.operator.children import desired_children
+    from tessera.operator.reconcile import plan_spec
+    from tessera.operator.render import render_configs
+
+    monitor = render("--set", "metrics.podMonitor.enabled=true")[
+        ("PodMonitor", "tessera-operator-engines")]["spec"]
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    # Prometheus turns a pod label into __meta_kubernetes_pod_label_<name, non-word chars as _>.
+    meta = {f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', label)}": target
+            for label, target in ((c.LABEL_DEPLOYMENT, "deployment"), (c.LABEL_PHASE, "phase"))}
+    assert {r["sourceLabels"][0]: r["targetLabel"] for r in endpoint["relabelings"]} == meta
+    assert monitor["namespaceSelector"] == {"any": True}
+
+    md = yaml.safe_load((ROOT / "examples" / "01-kimi-k2" / "modeldeployment.yaml").read_text())
+    md["metadata"].update(namespace="llm", uid="uid-1", generation=1)
+    plan, error = plan_spec(md["spec"])
+    assert error is None and plan is not None
+    pods = {o["metadata"]["labels"][c.LABEL_PHASE]: o["spec"]["template"]
+            for o in desired_children(md, render_configs(md, plan)) if o["kind"] == "Deployment"}
+    assert set(pods) == {c.PREFILL, c.DECODE, c.ROUTER}
+    for phase, pod in pods.items():
+        selected = _selected(monitor["selector"], pod["metadata"]["labels"])
+        assert selected == (phase != c.ROUTER), phase
+        if selected:
+            (container,) = pod["spec"]["containers"]
+            assert endpoint["port"] in {p["name"] for p in container["ports"]}
