@@ -51,7 +51,7 @@ def run_operator(args: argparse.Namespace) -> int:
         prometheus_client.start_http_server(args.metrics_port)
     if args.leader_election:
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-        LeaderLease(Kube(new_api_client()), lease, namespace, identity).acquire()
+        LeaderLease(Kube(new_api_client(retries=False)), lease, namespace, identity).acquire()
     # Leader election is ours (above), so kopf's own peering stays off.
     kopf.run(clusterwide=not args.namespace, namespaces=args.namespace, standalone=True)
     return 0

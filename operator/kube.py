@@ -41,13 +41,18 @@ def _path(obj: Obj) -> str:
     return f"{_collection(obj['apiVersion'], plural, meta['namespace'])}/{meta['name']}"
 
 
-def new_api_client() -> kubernetes.client.ApiClient:
-    """A client from the in-cluster service account, else from KUBECONFIG / ~/.kube/config."""
+def new_api_client(retries: bool = True) -> kubernetes.client.ApiClient:
+    """A client from the in-cluster service account, else from KUBECONFIG / ~/.kube/config.
+    With `retries=False` a failed request raises at once, for a caller that keeps its own
+    time (the leader Lease); urllib3 would otherwise retry it, each time with a new timeout."""
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-    client = kubernetes.client.ApiClient()
+    config = kubernetes.client.Configuration.get_default_copy()
+    if not retries:
+        config.retries = False
+    client = kubernetes.client.ApiClient(config)
     client.user_agent = USER_AGENT
     return client
 
