@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         name, spec = load_spec(args.file)
         plan = plan_deployment(spec)
         variants = compare_precisions(spec)
-        transfers = plan_transfers(spec, plan.architecture)
+        transfers = plan_transfers(spec, plan)
     except PlanError as e:
         print(f"tessera plan: {args.file}: {e}", file=sys.stderr)
         return 2
@@ -155,7 +155,7 @@ def _transfer_table(transfers: Sequence[TransferPlan], context_length: int) -> l
                      [f"{t.seconds_for(n) * 1e3:,.2f}" for t in transfers]))
     rows.append(("prompt tokens/s/link", [f"{t.tokens_per_second:,.0f}" for t in transfers]))
     return [f"KV handover, prefill -> decode, per request: {first.backend} over "
-            f"{first.link_gbps:g} Gb/s (spec.transfer.linkGbps), sent in the decode's KV dtype; "
+            f"{first.link_gbps:g} Gb/s a decode GPU (spec.transfer.linkGbps), in the decode's KV dtype; "
             "* = this spec",
             *_table(headers, rows),
             "the network caps prefill when the prefill pool produces more prompt tokens/s "

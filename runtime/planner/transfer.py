@@ -1,17 +1,19 @@
 """The prefill-to-decode KV handover's cost per request: bytes on the wire and the time they
 take at the declared link speed (pure).
 
-What crosses the wire is one copy of each prompt token's KV in the decode's layout, every
-layer: the prefill converts its pages into the decode's KV dtype before sending (so an FP8
-decode moves half the bytes of a BF16 one), an MLA latent is sent once (not once per
-tensor-parallel rank, where it is replicated), GQA heads add up over the ranks, and a model
-with a sparse-attention indexer (DSA: GLM 5, DeepSeek V3.2) also sends its FP8 indexer keys.
-That is exactly `kv_bytes_per_token_per_gpu` at attention TP 1.
+Each decode GPU receives its own share of each prompt token's KV, every layer, over its own
+link (SGLang 0.5.23, disaggregation/common/conn.py: a decode rank pulls an MLA latent from one
+prefill rank; GQA heads are split over the ranks), in the decode's layout: the prefill converts
+its pages into the decode's KV dtype before sending (so an FP8 decode moves half the bytes of a
+BF16 one), and a model with a sparse-attention indexer (DSA: GLM 5, DeepSeek V3.2) also sends
+its FP8 indexer keys. That share is exactly what the token occupies on one decode GPU,
+`kv_bytes_per_token_per_gpu` at the decode's attention TP; all links work in parallel, so it
+sets the handover's time at one link's speed.
 
 The planner has no model of prefill compute speed, so it does not say which is slower; it
-gives the prompt tokens per second one link carries, to set beside the prefill pool's
-measured throughput (SGLang's prompt-tokens metrics): when the pool produces more, the
-network caps prefill.
+gives the prompt tokens per second one link carries (a decode replica with attention data
+parallel d takes d times that), to set beside the prefill pool's measured throughput (SGLang's
+prompt-tokens metrics): when the pool produces more, the network caps prefill.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any
 from tessera.runtime.planner.architecture import Architecture
 from tessera.runtime.planner.errors import PlanError
 from tessera.runtime.planner.kv import KV_DTYPES, kv_bytes_per_token_per_gpu
+from tessera.runtime.planner.plan import DeploymentPlan
 
 DEFAULT_BACKEND = "mooncake"
-DEFAULT_LINK_GBPS = 400  # one 400G NIC, the usual H200 node's per-GPU link
+DEFAULT_LINK_GBPS = 400  # one 400G NIC per GPU, the usual H200 node
 # Prompt lengths `tessera plan` shows the handover at (plus the spec's context length).
 TRANSFER_PROMPTS = (8192, 32768, 131072)
 
@@ -38,7 +41,7 @@ class TransferPlan:
     decode_kv: str
     backend: str
     link_gbps: float
-    wire_bytes_per_token: int
+    wire_bytes_per_token: int  # per link: what one decode GPU receives per prompt token
 
     def bytes_for(self, prompt_tokens: int) -> int:
         return self.wire_bytes_per_token * prompt_tokens
@@ -65,15 +68,16 @@ class TransferPlan:
         }
 
 
-def wire_bytes_per_token(arch: Architecture, decode_kv: str) -> int:
-    """Bytes one prompt token's KV takes on the wire to a decode that stores `decode_kv`."""
-    return kv_bytes_per_token_per_gpu(arch, decode_kv, attention_tp=1)
+def wire_bytes_per_token(arch: Architecture, decode_kv: str, decode_attention_tp: int) -> int:
+    """Bytes one prompt token's KV takes on one decode GPU's link, for a decode that stores
+    `decode_kv` with `decode_attention_tp` attention-TP ranks."""
+    return kv_bytes_per_token_per_gpu(arch, decode_kv, decode_attention_tp)
 
 
-def plan_transfers(spec: Mapping[str, Any], arch: Architecture) -> list[TransferPlan]:
+def plan_transfers(spec: Mapping[str, Any], plan: DeploymentPlan) -> list[TransferPlan]:
     """The handover of `spec`'s prefill KV dtype to each decode KV dtype, the spec's own
     pairing first; empty for a single pool (nothing is handed over)."""
-    if spec.get("prefill") is None or spec.get("decode") is None:
+    if "prefill" not in plan.phases or "decode" not in plan.phases:
         return []
     transfer = spec.get("transfer") or {}
     if not isinstance(transfer, Mapping):
@@ -82,10 +86,10 @@ def plan_transfers(spec: Mapping[str, Any], arch: Architecture) -> list[Transfer
     if isinstance(link, bool) or not isinstance(link, int | float) or link <= 0:
         raise PlanError(f"spec.transfer.linkGbps must be a positive number, got {link!r}")
     backend = str(transfer.get("backend", DEFAULT_BACKEND))
-    prefill_kv, decode_kv = (
-        ((spec[p].get("kvCache") or {}).get("dtype", "bf16")) for p in ("prefill", "decode"))
-    pairings = [decode_kv] + [d for d in KV_DTYPES if d != decode_kv]
-    return [TransferPlan(prefill_kv, d, backend, float(link), wire_bytes_per_token(arch, d))
+    prefill, decode = plan.phases["prefill"].spec, plan.phases["decode"].spec
+    pairings = [decode.kv_dtype] + [d for d in KV_DTYPES if d != decode.kv_dtype]
+    return [TransferPlan(prefill.kv_dtype, d, backend, float(link),
+                         wire_bytes_per_token(plan.architecture, d, decode.attention_tp))
             for d in pairings]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tessera.runtime.planner import PlanError, resolve_architecture
+from tessera.runtime.planner import PlanError, plan_deployment, resolve_architecture
 from tessera.runtime.planner.transfer import (
     TRANSFER_PROMPTS,
     plan_transfers,
@@ -30,10 +30,16 @@ def spec(prefill_kv: str = "bf16", decode_kv: str = "bf16", **transfer) -> dict:
             **({"transfer": transfer} if transfer else {})}
 
 
+def transfers(spec_: dict):
+    return plan_transfers(spec_, plan_deployment(spec_))
+
+
 def test_kimi_bf16_at_8k_by_hand():
-    # 61 layers x (512 latent + 64 rope) x 2 bytes, one copy of the MLA latent per token.
-    assert wire_bytes_per_token(KIMI, "bf16") == 61 * 576 * 2 == 70_272
-    [bf16, fp8] = plan_transfers(spec(), KIMI)
+    # 61 layers x (512 latent + 64 rope) x 2 bytes: each decode GPU pulls the whole MLA latent
+    # (replicated over attention TP) over its own link.
+    assert wire_bytes_per_token(KIMI, "bf16", 8) == wire_bytes_per_token(KIMI, "bf16", 1)
+    assert wire_bytes_per_token(KIMI, "bf16", 8) == 61 * 576 * 2 == 70_272
+    [bf16, fp8] = transfers(spec())
     assert bf16.bytes_for(8192) == 61 * 576 * 2 * 8192 == 575_668_224  # ~576 MB
     assert bf16.seconds_for(8192) == pytest.approx(11.513e-3, rel=1e-3)  # at 400 Gb/s
     assert bf16.tokens_per_second == pytest.approx(400e9 / 8 / 70_272)
@@ -45,28 +51,39 @@ def test_kimi_bf16_at_8k_by_hand():
 def test_dsa_models_send_their_indexer_keys():
     # GLM 5: per layer the latent (BF16 576 x 2, or FP8's 656-byte layout) plus the FP8
     # indexer key (128 values + one FP32 scale), 78 layers.
-    assert wire_bytes_per_token(GLM, "bf16") == 78 * (576 * 2 + 128 + 4) == 100_152
-    assert wire_bytes_per_token(GLM, "fp8_e4m3") == 78 * (656 + 128 + 4) == 61_464
+    assert wire_bytes_per_token(GLM, "bf16", 8) == 78 * (576 * 2 + 128 + 4) == 100_152
+    assert wire_bytes_per_token(GLM, "fp8_e4m3", 8) == 78 * (656 + 128 + 4) == 61_464
+
+
+def test_gqa_heads_split_over_the_decode_links():
+    # 8 KV heads of 128 over 4 attention-TP ranks (TP 8, attention DP 2): 2 heads a link.
+    gqa = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+    s = spec()
+    s["model"]["architecture"] = {"config": gqa}
+    s["decode"].update(tensorParallel=8, attentionDataParallel=2)
+    [bf16, _] = transfers(s)
+    assert bf16.wire_bytes_per_token == 32 * 2 * 2 * 128 * 2  # layers x K,V x heads x dim x 2 B
 
 
 def test_the_spec_pairing_comes_first_and_the_link_is_declared():
-    transfers = plan_transfers(spec("bf16", "fp8_e4m3", linkGbps=100, backend="nixl"), KIMI)
-    assert [(t.prefill_kv, t.decode_kv) for t in transfers] == [("bf16", "fp8_e4m3"),
-                                                                ("bf16", "bf16")]
-    assert {(t.link_gbps, t.backend) for t in transfers} == {(100.0, "nixl")}
-    assert transfers[0].seconds_for(8192) == pytest.approx(4 * 11.513e-3 / 2, rel=1e-3)
+    planned = transfers(spec("bf16", "fp8_e4m3", linkGbps=100, backend="nixl"))
+    assert [(t.prefill_kv, t.decode_kv) for t in planned] == [("bf16", "fp8_e4m3"),
+                                                              ("bf16", "bf16")]
+    assert {(t.link_gbps, t.backend) for t in planned} == {(100.0, "nixl")}
+    assert planned[0].seconds_for(8192) == pytest.approx(4 * 11.513e-3 / 2, rel=1e-3)
 
 
 def test_a_single_pool_hands_nothing_over():
     single = {"model": {"name": "m", "architecture": {"preset": "kimi-k2"}},
               "single": {"weights": {"dtype": "fp8"}}}
-    assert plan_transfers(single, KIMI) == []
+    assert transfers(single) == []
 
 
 @pytest.mark.parametrize("link", [0, -5, "fast", True])
 def test_a_bad_link_speed_is_a_plan_error(link):
     with pytest.raises(PlanError, match="spec.transfer.linkGbps must be a positive number"):
-        plan_transfers(spec(linkGbps=link), KIMI)
+        transfers(spec(linkGbps=link))
 
 
 def test_prompt_lengths_include_the_context_length():
