@@ -155,8 +155,8 @@ def _transfer_table(transfers: Sequence[TransferPlan], context_length: int) -> l
                      [f"{t.seconds_for(n) * 1e3:,.2f}" for t in transfers]))
     rows.append(("prompt tokens/s/link", [f"{t.tokens_per_second:,.0f}" for t in transfers]))
     return [f"KV handover, prefill -> decode, per request: {first.backend} over "
-            f"{first.link_gbps:g} Gb/s a decode GPU (spec.transfer.linkGbps), in the decode's KV dtype; "
-            "* = this spec",
+            f"{first.link_gbps:g} Gb/s per decode GPU (spec.transfer.linkGbps), in the "
+            "decode's KV dtype; * = this spec",
             *_table(headers, rows),
             "the network caps prefill when the prefill pool produces more prompt tokens/s "
             "than the links carry"]
