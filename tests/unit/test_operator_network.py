@@ -125,3 +125,20 @@ def test_link_speed_is_for_the_plan_only_and_rolls_nothing() -> None:
     after = copy.deepcopy(before)
     after["spec"]["transfer"] = {"linkGbps": 100}
     assert template_hashes(before) == template_hashes(after)
+
+
+def test_a_replica_spanning_nodes_gets_the_network_on_every_pod() -> None:
+    md = yaml.safe_load((EXAMPLES / "03-kimi-k2-multinode" / "modeldeployment.yaml").read_text())
+    md["metadata"].update(namespace="llm", uid="uid-1", generation=1)
+    for phase in ("prefill", "decode"):
+        md["spec"][phase]["network"] = copy.deepcopy(RDMA)
+    plan, error = plan_spec(md["spec"])
+    assert error is None and plan is not None and plan.ok, plan and plan.findings
+    [group] = [o for o in desired_children(md, render_configs(md, plan))
+               if o["kind"] == c.LWS_KIND and o["metadata"]["name"].endswith("-prefill")]
+    template = group["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    container = template["spec"]["containers"][0]
+    assert container["resources"]["limits"]["rdma/ib"] == "2"
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert template["metadata"]["annotations"][c.ANNOTATION_NETWORKS] == (
+        "rdma-net,fabric/roce-b@net2")
