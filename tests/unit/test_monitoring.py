@@ -137,9 +137,13 @@ CASES: dict[str, list[Case]] = {
               f'tessera_operator_reconciles_total{{{OPERATOR}, result="ok"}}': "0+5x30"},
              "22m"),
     ],
-    "TesseraWeightConversionFailed": [
+    "TesseraWeightsJobFailed": [
         Case({f'tessera_modeldeployment_condition{{{STATUS}, type="WeightsReady", '
-              f'status="False", reason="ConversionFailed"}}': "1x5"}, "1m", [MD]),
+              f'status="False", reason="ConversionFailed"}}': "1x5"}, "1m",
+             [{**MD, "reason": "ConversionFailed"}]),
+        Case({f'tessera_modeldeployment_condition{{{STATUS}, type="WeightsReady", '
+              f'status="False", reason="FetchFailed"}}': "1x5"}, "1m",
+             [{**MD, "reason": "FetchFailed"}]),
         Case({f'tessera_modeldeployment_condition{{{STATUS}, type="WeightsReady", '
               f'status="False", reason="Converting"}}': "1x5"}, "1m"),
     ],
@@ -353,6 +357,8 @@ def test_operations_doc_lists_every_panel_and_alert_with_its_query() -> None:
         assert len(found) == 1, f"docs/operations.md needs one table row starting {start!r}"
         return found[0]
 
+    # A `|` would split a table cell, even inside a code span.
+    assert not [q for q in dashboard_queries() + [r["expr"] for r in rules()] if "|" in q]
     for panel in dashboard.panels():
         line = row(f"| {panel.title} |")
         for query in panel.queries:
