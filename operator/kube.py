@@ -7,6 +7,7 @@ constants.RBAC_RULES.
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import kubernetes
@@ -14,6 +15,8 @@ from tessera.operator import constants as c
 from tessera.operator.refusals import RejectedError, Rejection, api_message, is_refusal
 
 Obj = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 # Child kinds: (apiVersion, kind) -> plural resource name. All namespaced.
 CHILD_KINDS: dict[tuple[str, str], str] = {
@@ -121,12 +124,18 @@ class Kube:
         # List items come without apiVersion/kind; put them back so items look like watch events.
         return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
 
-    def patch_status(self, md: Obj, patch: Obj) -> Obj:
+    def patch_status(self, md: Obj, patch: Obj) -> Obj | None:
+        """The patched ModelDeployment; None when it is gone (deleted since it was read)."""
         meta = md["metadata"]
         path = (f"{_collection(c.API_VERSION_FULL, c.PLURAL, meta['namespace'])}/"
                 f"{meta['name']}/status")
-        return self.request("PATCH", path, {"status": patch}, content_type=(
-            "application/merge-patch+json"))
+        try:
+            return self.request("PATCH", path, {"status": patch}, content_type=(
+                "application/merge-patch+json"))
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+            return None
 
     def post_event(self, md: Obj, type_: str, reason: str, message: str) -> None:
         meta = md["metadata"]
@@ -141,4 +150,12 @@ class Kube:
             "source": {"component": c.FIELD_MANAGER},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        self.request("POST", _collection("v1", "events", meta["namespace"]), event)
+        try:
+            self.request("POST", _collection("v1", "events", meta["namespace"]), event)
+        except kubernetes.client.ApiException as e:
+            # An event is a courtesy, status is the record: one the API server refuses (its
+            # namespace being deleted, a quota on events) is dropped with one line.
+            if e.status is None or not (is_refusal(e.status) or e.status == 404):
+                raise
+            log.info("%s/%s: event %s not posted: %s", meta["namespace"], meta["name"], reason,
+                     api_message(e.body, str(e.reason)))

@@ -385,7 +385,7 @@ class Reconciler:
             self.store.drop(obj)
             metrics.WRITES.labels("prune").inc()
         if decision.status_patch is not None:
-            self.store.put(self.kube.patch_status(md, decision.status_patch))
+            written = self.kube.patch_status(md, decision.status_patch)
             metrics.WRITES.labels("status").inc()
         for cond in decision.events:
             self.kube.post_event(md, event_type(cond), cond["reason"],
@@ -393,6 +393,9 @@ class Reconciler:
             metrics.WRITES.labels("event").inc()
         if decision.prune:
             log.info("%s/%s: pruned %d", md["metadata"]["namespace"], md["metadata"]["name"],
+            if written is None:
+                return  # deleted meanwhile: its DELETED event drops it from the store
+            self.store.put(written)
                      len(decision.prune))
 
     def resync(self) -> int:
