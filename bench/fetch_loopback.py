@@ -81,7 +81,12 @@ def main() -> None:
         shutil.rmtree(work)
     result = {"benchmark": "fetch_loopback",
               "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "command": "fetch_loopback.py " + " ".join(sys.argv[1:]),
+              # Where it was written is not part of what was measured.
+              "command": " ".join(["fetch_loopback.py", *(
+                  f"--{k.replace('_', '-')} {v}" for k, v in (
+                      ("files", args.files), ("file_mib", args.file_mib),
+                      ("dest_root", args.dest_root)) if v is not None),
+                  "--workers", *map(str, args.workers)]),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "dest_root": str(args.dest_root or tempfile.gettempdir()),
