@@ -24,6 +24,7 @@ from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
 from tessera.operator.kube import CHILD_KINDS, Kube
 from tessera.operator.refusals import (
+    NamespaceTerminating,
     RejectedError,
     Rejection,
     backoff_seconds,
@@ -171,7 +172,8 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     if intent.admitted:
         # A kind the cluster does not serve cannot be applied: reported as rejected instead.
         unserved = [d for d in intent.desired if d["kind"] in unserved_kinds]
-        rejections = [*rejections, *map(_not_served, unserved)]
+        rejections = [*rejections, *(r for r in map(_not_served, unserved)
+                                     if r not in rejections)]
         held |= {key_of(d) for d in unserved}
         apply = [d for d in intent.desired
                  if key_of(d) not in held and needs_apply(d, children.get(key_of(d)))]
@@ -261,8 +263,8 @@ class Reconciler:
 
     def _unserved(self, intent: Intent) -> frozenset[str]:
         """The optional kinds `intent` wants that the cluster does not serve. Discovery is
-        asked the first time a kind is wanted; a kind found missing is asked again after each
-        resync, so installing it later is noticed within one resync period."""
+        asked the first time a kind is wanted and again after each resync, so installing or
+        removing its CRD is noticed within one resync period (or at the next apply's 404)."""
         wanted = {d["kind"]: d["apiVersion"] for d in intent.desired if d["kind"] in OPTIONAL_KINDS}
         for kind, api_version in wanted.items():
             if kind not in self._served:
@@ -329,7 +331,12 @@ class Reconciler:
                           unserved)
         if not decision.apply or (held is not None and self._clock() < held.retry_at):
             return replace(decision, apply=[])
-        rejections = self._apply(decision.apply)
+        try:
+            rejections = self._apply(decision.apply)
+        except NamespaceTerminating:
+            log.info("%s/%s: its namespace is being deleted; nothing more is applied",
+                     namespace, name)
+            return replace(decision, apply=[])
         if not rejections:
             self._backoffs.pop(uid, None)
         else:
@@ -342,7 +349,7 @@ class Reconciler:
             self._schedule(delay, lambda: self.reconcile(namespace, name))
         if rejections != rejected:  # status reports what this apply found
             return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
-                                  rejections, unserved), apply=decision.apply)
+                                  rejections, self._unserved(intent)), apply=decision.apply)
         return decision
 
     def _apply(self, objs: list[Obj]) -> list[Rejection]:
@@ -372,10 +379,15 @@ class Reconciler:
         except RejectedError as e:
             return e.rejection
         except ApiException as e:
-            # An optional kind whose CRD was removed since discovery found it.
+            # An optional kind whose CRD was removed since discovery found it (a 404 can also
+            # mean the namespace is gone: discovery tells which).
             if e.status != 404 or obj["kind"] not in OPTIONAL_KINDS:
                 raise
-            self._served[obj["kind"]] = False
+            served = self.kube.serves(obj["apiVersion"], CHILD_KINDS[(obj["apiVersion"],
+                                                                      obj["kind"])])
+            self._served[obj["kind"]] = served
+            if served:
+                raise
             return _not_served(obj)
 
     def _carry_out(self, md: Obj, decision: Decision) -> None:
@@ -387,21 +399,21 @@ class Reconciler:
         if decision.status_patch is not None:
             written = self.kube.patch_status(md, decision.status_patch)
             metrics.WRITES.labels("status").inc()
+            if written is None:
+                return  # deleted meanwhile: its DELETED event drops it from the store
+            self.store.put(written)
         for cond in decision.events:
             self.kube.post_event(md, event_type(cond), cond["reason"],
                                  f"{cond['type']} is {cond['status']}: {cond['message']}")
             metrics.WRITES.labels("event").inc()
         if decision.prune:
             log.info("%s/%s: pruned %d", md["metadata"]["namespace"], md["metadata"]["name"],
-            if written is None:
-                return  # deleted meanwhile: its DELETED event drops it from the store
-            self.store.put(written)
                      len(decision.prune))
 
     def resync(self) -> int:
         """Reconcile every known deployment; returns how many made any request."""
         busy = 0
-        self._served = {kind: True for kind, served in self._served.items() if served}
+        self._served = {}  # discovery is asked again (optional kinds come and go)
         deployments = self.store.deployments()
         metrics.DEPLOYMENTS.set(len(deployments))
         for namespace, name in deployments:

@@ -1,0 +1,260 @@
+"""Replicas wider than one node, with the real LeaderWorkerSet controller of the dev cluster.
+
+A tiny DeepSeek-shaped model at prefill tensorParallel 16 over 8-GPU nodes: each prefill
+replica is one LWS group of two pods. The groups get their own tainted pool of four simulated
+nodes ("wide"), so no other test's pods take their GPUs; decode stays on the decode pool.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tessera.operator import constants as c
+from test_operator_e2e import Operator, apply, conditions, get_md, poll, tiny
+from test_operator_e2e import operator as operator  # noqa: F401  (the module's operator fixture)
+
+from tessera.devcluster.nodes import POOL_LABEL, NodePool, node_manifest
+
+pytestmark = pytest.mark.e2e
+
+POOL = "wide"
+TAINT = {"key": "tessera.dev/wide", "value": "true", "effect": "NoSchedule"}
+GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+READY_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def wide_pool(cluster: Any) -> Iterator[list[str]]:
+    """Four 8-GPU nodes for two TP-16 replicas, tainted for this module's deployments."""
+    nodes = [node_manifest(NodePool(POOL, nodes=4), i) for i in range(4)]
+    for node in nodes:
+        node["spec"] = {"taints": [TAINT]}
+    cluster.kubectl("apply", "-f", "-", input={"apiVersion": "v1", "kind": "List",
+                                               "items": nodes})
+    names = [n["metadata"]["name"] for n in nodes]
+    cluster.kubectl("wait", "--for=condition=Ready", *(f"node/{n}" for n in names),
+                    "--timeout=60s")
+    yield names
+    cluster.kubectl("delete", "node", *names, "--wait=false", check=False)
+
+
+def wide(name: str, prefill_tp: int = 16) -> dict[str, Any]:
+    md = tiny(name)
+    spec = md["spec"]
+    spec["nodePool"]["tolerations"] = [{**TAINT, "operator": "Equal"}]
+    spec["prefill"].update(tensorParallel=prefill_tp, replicas=2,
+                           nodeSelector={POOL_LABEL: POOL})
+    spec["decode"]["nodeSelector"] = {POOL_LABEL: "decode"}
+    return md
+
+
+def pods(kubectl: Callable[..., Any], namespace: str, phase: str) -> list[dict[str, Any]]:
+    items = json.loads(kubectl("get", "pods", "-n", namespace, "-l", f"{c.LABEL_PHASE}={phase}",
+                               "-o", "json").stdout)["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def objects(kubectl: Callable[..., Any], namespace: str, kind: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = json.loads(
+        kubectl("get", kind, "-n", namespace, "-o", "json").stdout)["items"]
+    return out
+
+
+def ready(kubectl: Callable[..., Any], namespace: str, name: str) -> bool:
+    md = get_md(kubectl, namespace, name)
+    return (md.get("status", {}).get("observedGeneration") == md["metadata"]["generation"]
+            and conditions(md).get("Ready", {}).get("status") == "True")
+
+
+def groups(kubectl: Callable[..., Any], namespace: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """Running prefill pods by group index, then worker index."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for pod in pods(kubectl, namespace, "prefill"):
+        labels = pod["metadata"]["labels"]
+        out.setdefault(labels[GROUP_INDEX], {})[labels[c.LWS_LABEL_WORKER_INDEX]] = pod
+    return out
+
+
+def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    apply(kubectl, namespace, wide("mn"))
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "mn"), READY_TIMEOUT_S)
+
+    [lws] = objects(kubectl, namespace, "leaderworkersets")
+    assert lws["metadata"]["name"] == "mn-prefill"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["status"]["readyReplicas"] == 2
+    assert not [d for d in objects(kubectl, namespace, "deployments")
+                if d["metadata"]["name"] == "mn-prefill"]
+
+    by_group = groups(kubectl, namespace)
+    assert sorted(by_group) == ["0", "1"]
+    assert all(sorted(g) == ["0", "1"] for g in by_group.values())
+    placed = [p["spec"]["nodeName"] for g in by_group.values() for p in g.values()]
+    assert sorted(placed) == sorted(wide_pool), placed  # four pods, four distinct nodes
+    for group_index, group in by_group.items():
+        for index, pod in group.items():
+            container = pod["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            # LWS's webhook injected its variables first; ours refer to them.
+            assert [e["name"] for e in container["env"][:3]] == [
+                "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"]
+            assert env["LWS_WORKER_INDEX"] == index
+            assert env["LWS_LEADER_ADDRESS"].startswith(f"mn-prefill-{group_index}.")
+            assert env[c.ENV_NODE_RANK] == "$(LWS_WORKER_INDEX)"
+            assert env[c.ENV_DIST_INIT_ADDR] == "$(LWS_LEADER_ADDRESS):20000"
+
+    # Only the two leaders are endpoints of the prefill Service (what the router discovers).
+    slices = json.loads(kubectl("get", "endpointslices", "-n", namespace, "-l",
+                                "kubernetes.io/service-name=mn-prefill", "-o", "json").stdout)
+    endpoints = {e["targetRef"]["name"] for s in slices["items"] for e in s.get("endpoints") or []}
+    assert endpoints == {by_group["0"]["0"]["metadata"]["name"],
+                         by_group["1"]["0"]["metadata"]["name"]}
+
+    md = get_md(kubectl, namespace, "mn")
+    assert md["status"]["prefill"]["replicas"] == 2
+    assert md["status"]["prefill"]["readyReplicas"] == 2
+    assert md["status"]["plan"]["prefill"]["capacity"]["nodesPerReplica"] == 2
+    assert "prefill 2/2" in md["status"]["summary"]["replicas"]
+
+
+def ready_events(kubectl: Callable[..., Any], namespace: str) -> list[dict[str, Any]]:
+    events = json.loads(kubectl("get", "events", "-n", namespace, "--field-selector",
+                                "involvedObject.kind=ModelDeployment", "-o", "json").stdout)
+    return [e for e in events["items"] if e["message"].startswith("Ready is False")]
+
+
+def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    apply(kubectl, namespace, wide("loss"))
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "loss"), READY_TIMEOUT_S)
+    before = groups(kubectl, namespace)
+    seen = len(ready_events(kubectl, namespace))
+    worker = before["0"]["1"]["metadata"]["name"]
+    kubectl("delete", "pod", worker, "-n", namespace, "--wait=false")
+
+    # LWS deletes the group's leader (and with it the group) and recreates both pods.
+    def recreated() -> bool:
+        now = groups(kubectl, namespace)
+        return (sorted(now.get("0", {})) == ["0", "1"] and all(
+            now["0"][i]["metadata"]["uid"] != before["0"][i]["metadata"]["uid"]
+            for i in ("0", "1")))
+
+    poll("group 0 recreated (leader and worker)", recreated, READY_TIMEOUT_S)
+    poll("the deployment Ready again", lambda: ready(kubectl, namespace, "loss"),
+         READY_TIMEOUT_S)
+    # Ready went False meanwhile, naming the replica short of ready; group 1 was left alone.
+    said = [e["message"] for e in ready_events(kubectl, namespace)[seen:]]
+    assert any("prefill 1/2 ready" in m for m in said), said
+    after = groups(kubectl, namespace)
+    assert {i: p["metadata"]["uid"] for i, p in after["1"].items()} == {
+        i: p["metadata"]["uid"] for i, p in before["1"].items()}
+    lws_events = json.loads(kubectl("get", "events", "-n", namespace, "--field-selector",
+                                    "involvedObject.kind=LeaderWorkerSet", "-o", "json").stdout)
+    assert any(e["reason"] == "RecreateGroupOnPodRestart" and worker in e["message"]
+               for e in lws_events["items"])
+
+
+def test_changing_only_decode_leaves_the_groups_untouched(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    apply(kubectl, namespace, wide("dec"))
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "dec"), READY_TIMEOUT_S)
+    [lws] = objects(kubectl, namespace, "leaderworkersets")
+    prefill = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "prefill")}
+    decode = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "decode")}
+
+    changed = wide("dec")
+    changed["spec"]["decode"]["weights"]["groupSize"] = 32
+    apply(kubectl, namespace, changed)
+
+    def decode_rolled() -> bool:
+        new = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "decode")}
+        return len(new) == 2 and not new & decode and ready(kubectl, namespace, "dec")
+
+    poll("decode rolled and Ready", decode_rolled, READY_TIMEOUT_S)
+    [after] = objects(kubectl, namespace, "leaderworkersets")
+    assert after["metadata"]["generation"] == lws["metadata"]["generation"]
+    assert after["spec"] == lws["spec"]
+    assert {p["metadata"]["uid"] for p in pods(kubectl, namespace, "prefill")} == prefill
+
+
+def test_switching_between_one_and_two_nodes_per_replica_leaves_no_orphans(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    apply(kubectl, namespace, wide("sw", prefill_tp=8))
+    poll("Ready at TP 8", lambda: ready(kubectl, namespace, "sw"), READY_TIMEOUT_S)
+
+    def only(kind: str, pod_count: int) -> bool:
+        lwss = objects(kubectl, namespace, "leaderworkersets")
+        deployments = [d for d in objects(kubectl, namespace, "deployments")
+                       if d["metadata"]["name"] == "sw-prefill"]
+        sets = objects(kubectl, namespace, "statefulsets")
+        replica_sets = [r for r in objects(kubectl, namespace, "replicasets")
+                        if r["metadata"]["labels"].get(c.LABEL_PHASE) == "prefill"]
+        running = pods(kubectl, namespace, "prefill")
+        if kind == c.LWS_KIND:
+            shape = len(lwss) == 1 and not deployments and not replica_sets
+        else:
+            shape = not lwss and len(deployments) == 1 and not sets
+        return (shape and len(running) == pod_count
+                and all(bool(p["metadata"]["labels"].get(GROUP_INDEX)) == (kind == c.LWS_KIND)
+                        for p in running)
+                and ready(kubectl, namespace, "sw"))
+
+    poll("one Deployment of 2 prefill pods", lambda: only("Deployment", 2), READY_TIMEOUT_S)
+    apply(kubectl, namespace, wide("sw", prefill_tp=16))
+    poll("one LeaderWorkerSet of 2 groups x 2 pods, no Deployment left",
+         lambda: only(c.LWS_KIND, 4), READY_TIMEOUT_S)
+    apply(kubectl, namespace, wide("sw", prefill_tp=8))
+    poll("back to one Deployment, no LeaderWorkerSet or StatefulSet left",
+         lambda: only("Deployment", 2), READY_TIMEOUT_S)
+
+
+def test_without_lws_a_multi_node_spec_says_so_and_one_node_keeps_serving(
+        cluster: Any, operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str],
+        tmp_path: Path) -> None:
+    """An operator started on a cluster without LWS's CRD; LWS installed later. Last in this
+    module: it removes the CRD from the shared cluster and puts it back. The module's operator
+    is stopped first: kopf's watch of a CRD deleted under it fails (docs/operator.md)."""
+    operator.stop()
+    crd = "leaderworkersets.leaderworkerset.x-k8s.io"
+    kubectl("delete", "crd", crd, "--wait=true", timeout=120)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    alone = Operator(cluster.env, tmp_path / "operator.log", "--metrics-port", str(port))
+    try:
+        alone.start()
+        apply(kubectl, namespace, wide("nolws", prefill_tp=8))
+        poll("Ready at TP 8", lambda: ready(kubectl, namespace, "nolws"), READY_TIMEOUT_S)
+        apply(kubectl, namespace, wide("nolws", prefill_tp=16))
+
+        def refused() -> dict[str, Any] | None:
+            cond = conditions(get_md(kubectl, namespace, "nolws")).get("Ready", {})
+            return cond if "does not serve LeaderWorkerSet" in cond.get("message", "") else None
+
+        cond = poll("Ready False naming LeaderWorkerSet", refused, 60)
+        assert (cond["status"], cond["reason"]) == ("False", "ChildRejected")
+        assert "install LeaderWorkerSet" in cond["message"]
+        # The one-node prefill Deployment keeps serving meanwhile.
+        assert [d["metadata"]["name"] for d in objects(kubectl, namespace, "deployments")
+                if d["metadata"]["name"] == "nolws-prefill"] == ["nolws-prefill"]
+        assert len(pods(kubectl, namespace, "prefill")) == 2
+
+        # Installed later: noticed within a resync, and the replica becomes two nodes wide.
+        cluster.apply_lws_crds()
+        poll("Ready as a LeaderWorkerSet once LWS is installed",
+             lambda: ready(kubectl, namespace, "nolws") and len(objects(
+                 kubectl, namespace, "leaderworkersets")) == 1 and not [
+                 d for d in objects(kubectl, namespace, "deployments")
+                 if d["metadata"]["name"] == "nolws-prefill"], 2 * READY_TIMEOUT_S)
+        assert "Traceback" not in alone.text(), alone.text()[-4000:]
+    finally:
+        alone.stop()
+        if kubectl("get", "crd", crd, check=False).returncode:
+            cluster.apply_lws_crds()
