@@ -31,7 +31,7 @@ from tessera.runtime.config import (
     RouterConfig,
     RuntimeConfig,
 )
-from tessera.runtime.fetch.download import FetchError, fetch
+from tessera.runtime.fetch.download import DEFAULT_WORKERS, FetchError, fetch
 from tessera.runtime.fetch.source import FetchFailure, SourceError
 from tessera.runtime.preflight import (
     Failure,
@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "resumable, every file verified")
     fetch.add_argument("uri", help="hf://org/repo[@revision], s3://bucket/dir or gs://bucket/dir")
     fetch.add_argument("dir", help="destination folder (a retried fetch resumes there)")
-    fetch.add_argument("--workers", type=int, default=8, help="files fetched at once")
+    fetch.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                       help="files fetched at once")
     fetch.add_argument("--termination-log", default=TERMINATION_LOG,
                        help="where the outcome is written")
     fetch.set_defaults(func=cmd_fetch)

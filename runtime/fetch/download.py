@@ -157,7 +157,7 @@ def fetch_store(source: Source, store: Store, dest: Path,
     """Every object under the source's prefix into DEST, verified; returns what was listed."""
     files = store.list()
     if not files:
-        raise FetchError(FetchFailure.NOT_FOUND, f"{source.where}: no objects under this "
+        raise FetchError(FetchFailure.NOT_FOUND, f"{source.uri}: no objects under this "
                          "prefix; check the bucket and folder in weights.uri")
     for f in files:
         safe_relative(f.path)
@@ -165,9 +165,9 @@ def fetch_store(source: Source, store: Store, dest: Path,
     todo = [f for f in files if not manifest.has(dest, f)]
     total = sum(f.size for f in todo)
     log.info("%s: %d files, %.2f GiB; %d already verified here, %.2f GiB to fetch",
-             source.where, len(files), sum(f.size for f in files) / GiB, len(files) - len(todo),
+             source.uri, len(files), sum(f.size for f in files) / GiB, len(files) - len(todo),
              total / GiB)
-    progress = Progress(source.where, total)
+    progress = Progress(source.uri, total)
     lock = threading.Lock()
 
     def one(remote: RemoteFile) -> None:
@@ -265,7 +265,7 @@ def verify_files(source: Source, files: Sequence[RemoteFile], dest: Path,
     published; returns those that do not match (each is deleted). The manifest keeps the
     ones that do, so a second run hashes only the rest."""
     todo = [f for f in files if not manifest.has(dest, f)]
-    progress = Progress(f"{source.where}: verifying", sum(f.size for f in todo))
+    progress = Progress(f"{source.uri}: verifying", sum(f.size for f in todo))
     bad: list[RemoteFile] = []
     lock = threading.Lock()
 
@@ -304,7 +304,7 @@ def fetch(uri: str, dest: Path, workers: int = DEFAULT_WORKERS) -> str:
         files = fetch_store(source, ObjectStore(source), dest, workers)
     size = sum(f.size for f in files)
     elapsed = time.monotonic() - started
-    return (f"fetched {source.where} into {dest}: {len(files)} files, {size / GiB:.2f} GiB, "
+    return (f"fetched {source.uri} into {dest}: {len(files)} files, {size / GiB:.2f} GiB, "
             f"every file verified, in {_duration(elapsed)}")
 
 

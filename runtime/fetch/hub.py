@@ -129,7 +129,7 @@ def fetch_hub(source: Source, dest: Path, workers: int) -> list[RemoteFile]:
     state = f"hf://{source.location}@{commit}"
     manifest = Manifest.load(dest, state)
     total = sum(f.size for f in files)
-    progress = Progress(f"{source.where} ({commit[:12]})", total)
+    progress = Progress(f"{source.uri} ({commit[:12]})", total)
     for _attempt in (1, 2):
         _download_watched(source, commit, dest, workers, progress)
         bad = verify_files(source, files, dest, manifest, workers)

@@ -66,11 +66,6 @@ class Source:
             return f"hf://{self.location}@{self.revision}"
         return f"{self.scheme}://{self.location}/{self.prefix}".rstrip("/")
 
-    @property
-    def where(self) -> str:
-        """How errors name it: the bucket or repository first."""
-        return self.uri
-
 
 def is_remote(uri: str) -> bool:
     return uri.partition("://")[0] in REMOTE_SCHEMES
