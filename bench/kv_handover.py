@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 import triton
-from timing import graph_time_us
-
 from tessera.kernels.mla_kv_handover import MLAKVLayout, convert_rows, page_rows
+from timing import graph_time_us
 
 PAGE = 64
 LINKS_GBPS = (400, 100)
@@ -131,8 +130,6 @@ def run_case(model: str, src_kind: str, dst_kind: str, tokens: int, quant, dequa
         row[f"bf16_transfer_us_{link}g"] = round(bf16_us, 1)
         row[f"transfer_us_{link}g"] = round(row["wire_bytes"] * 8 / (link * 1e9) * 1e6, 1)
         row[f"convert_eager_vs_bf16_transfer_{link}g"] = round(eager_us / bf16_us, 4)
-    del pool, staging
-    torch.cuda.empty_cache()
     return row
 
 

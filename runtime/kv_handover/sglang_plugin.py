@@ -50,7 +50,6 @@ from typing import Any
 import numpy as np
 import requests
 import torch
-
 from tessera.kernels.mla_kv_handover import MLAKVLayout, convert_rows, page_rows
 
 from .negotiate import HandoverPlan, HandoverRefused, plan_for_peer, staging_bytes
@@ -164,7 +163,8 @@ class Handover:
             args = self.mgr.kv_args
             self._pool_rows = [
                 host_or_device_bytes(ptr, length, self.device).view(-1, layout.token_bytes)
-                for ptr, length, layout in zip(args.kv_data_ptrs, args.kv_data_lens, plan.src)
+                for ptr, length, layout in zip(
+                    args.kv_data_ptrs, args.kv_data_lens, plan.src, strict=True)
             ]
         return self._pool_rows
 

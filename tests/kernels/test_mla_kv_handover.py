@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tessera.kernels.mla_kv_handover import (
     MLAKVLayout,
     convert_rows,
@@ -22,7 +21,6 @@ from tessera.kernels.mla_kv_handover import (
     convertible,
     page_rows,
 )
-
 
 
 def _sglang_module(name: str, file: str):  # type: ignore[no-untyped-def]

@@ -1,10 +1,12 @@
 """One PD peer for the Mooncake handover test: SGLang's real MooncakeKVManager on host memory.
 
-Run as ``python kv_handover_peer.py SPEC.json``; SPEC names the role, the KV dtype, the ports and
-the requests. The KV of every token is a function of (layer, prefill slot), written into an
-SGLang ``MLATokenToKVPool`` by SGLang's own ``set_kv_buffer``. A decode writes a JSON report:
-per request, the status, the failure reason, and whether its pages hold exactly the bytes
-SGLang's own write would have put there for the values the prefill holds.
+Run as ``python kv_handover_peer.py SPEC.json``; SPEC names the role, the attention (an MLA pool,
+or a DSA pool with its indexer keys), the KV dtype, the ports and the requests. The KV of every
+token is a function of (layer, prefill slot), written into SGLang's own ``MLATokenToKVPool`` /
+``DSATokenToKVPool`` by SGLang's own write. A decode writes a JSON report: per request, the
+status, the failure reason, whether its pages hold exactly the bytes SGLang's own write would
+have put there for the values the prefill holds, and (DSA) whether its indexer keys are the
+prefill's.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from pathlib import Path
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the prefill's conversion kernel, on the CPU
 os.environ.setdefault("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "600")
-os.environ.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "120")
+os.environ.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "600")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-PAGE = 4
 LAYERS = 3
-SLOTS = 256  # pool tokens
-NOPE, ROPE = 128, 16  # the tiny DeepSeek V3 config's latent and rope widths
 AUX_BYTES = 64
+# Pool geometry per attention kind: (page tokens, pool tokens, latent, rope). DSA pools take
+# 64-token pages and a 64-value rope (FlashMLA's FP8 layout); MLA is the tiny DeepSeek V3 config.
+GEOMETRY = {"mla": (4, 256, 128, 16), "dsa": (64, 64 * 12, 128, 64)}
+ATTENTION = "mla"
+PAGE, SLOTS, NOPE, ROPE = GEOMETRY["mla"]
 
 
 class _Layer:
@@ -44,9 +48,17 @@ def token_values(layer: int, slots: torch.Tensor) -> torch.Tensor:
 
 
 def make_pool(dtype: str):  # type: ignore[no-untyped-def]
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
-    torch_dtype = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.bfloat16
+    fp8 = dtype == "fp8_e4m3"
+    torch_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    if ATTENTION == "dsa":
+        return DSATokenToKVPool(
+            size=SLOTS, page_size=PAGE, kv_lora_rank=NOPE, dtype=torch_dtype,
+            qk_rope_head_dim=ROPE, layer_num=LAYERS, device="cpu", index_head_dim=128,
+            enable_memory_saver=False,
+            kv_cache_dim=NOPE + 4 * (NOPE // 128) + 2 * ROPE if fp8 else NOPE + ROPE,
+        )
     return MLATokenToKVPool(
         size=SLOTS, page_size=PAGE, dtype=torch_dtype, kv_lora_rank=NOPE,
         qk_rope_head_dim=ROPE, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
@@ -54,8 +66,24 @@ def make_pool(dtype: str):  # type: ignore[no-untyped-def]
 
 
 def write_tokens(pool, slots: torch.Tensor, values_of) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's own write of the token values: the one its attention backends use per kind."""
     for layer in range(LAYERS):
-        pool.set_kv_buffer(_Layer(layer), slots, values_of(layer, slots), None)
+        k = values_of(layer, slots)
+        if ATTENTION == "dsa":
+            pool.set_mla_kv_buffer(_Layer(layer), slots, k[..., :NOPE], k[..., NOPE:])
+        else:
+            pool.set_kv_buffer(_Layer(layer), slots, k, None)
+
+
+def index_keys(pool, pages: list[int]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A DSA pool's indexer-key bytes of ``pages``, per layer (FP8 in every KV dtype)."""
+    return [buf[torch.tensor(pages)] for buf in pool.index_k_with_scale_buffer]
+
+
+def fill_index_keys(pool) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(77)
+    for buf in pool.index_k_with_scale_buffer:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8))
 
 
 def held_values(dtype: str):  # type: ignore[no-untyped-def]
@@ -63,6 +91,7 @@ def held_values(dtype: str):  # type: ignore[no-untyped-def]
     def values(layer: int, slots: torch.Tensor) -> torch.Tensor:
         src = make_pool(dtype)
         write_tokens(src, slots, lambda lyr, s: token_values(lyr, s))
+        assert ATTENTION == "mla" or dtype == "bf16", "a DSA FP8 prefill's values: dequantize"
         return src.get_key_buffer(layer)[slots].to(torch.bfloat16)
 
     return values
@@ -76,7 +105,6 @@ def setup(spec: dict):  # type: ignore[no-untyped-def]
     )
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
-
     from tessera.runtime.kv_handover import sglang_plugin
 
     if spec["plugin"]:
@@ -86,7 +114,7 @@ def setup(spec: dict):  # type: ignore[no-untyped-def]
         disaggregation_mode=spec["role"], disaggregation_transfer_backend="mooncake",
         disaggregation_bootstrap_port=spec["bootstrap_port"], page_size=PAGE,
         kv_cache_dtype=spec["dtype"], chunked_prefill_size=spec.get("chunk_tokens", 16),
-        max_prefill_tokens=spec.get("chunk_tokens", 16),
+        max_prefill_tokens=spec.get("chunk_tokens", 16), tp_size=spec.get("tp_size", 1),
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=spec.get("tp_rank", 0)))
     get_parallel().override_permanently(pp_group=None)  # one stage: no pipeline group built
@@ -100,7 +128,7 @@ def setup(spec: dict):  # type: ignore[no-untyped-def]
     from sglang.srt.disaggregation.mooncake.conn import KVArgs
 
     args = KVArgs()
-    args.engine_rank = 0
+    args.engine_rank = spec.get("tp_rank", 0)
     args.pp_rank = 0
     args.system_dp_rank = 0
     args.rust_http_port = None
@@ -118,12 +146,9 @@ def setup(spec: dict):  # type: ignore[no-untyped-def]
     args.ib_device = None
     args.gpu_id = 0
     args.mla_compression_ratios = None
-    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens",
-                 "state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
-                 "state_conv_shard_groups"):
-        setattr(args, name, [])
-    args.is_hybrid_mla_backend = False
-    args.swa_kv_cache_layout = None
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    setup_state_kv_args(args, pool, None, LAYERS)  # SGLang's own: a DSA pool's indexer keys
     mode = DisaggregationMode.PREFILL if spec["role"] == "prefill" else DisaggregationMode.DECODE
     mgr = MooncakeKVManager(args, mode, server_args, is_mla_backend=True)
     return mgr, pool, aux
@@ -135,6 +160,8 @@ def run_prefill(spec: dict) -> None:
 
     mgr, pool, aux = setup(spec)
     write_tokens(pool, torch.arange(PAGE, SLOTS), token_values)
+    if ATTENTION == "dsa":
+        fill_index_keys(pool)
     addr = f"127.0.0.1:{spec['bootstrap_port']}"
 
     def serve(req: dict) -> None:
@@ -150,7 +177,8 @@ def run_prefill(spec: dict) -> None:
         for start in range(0, len(pages), step):
             if sender.poll() == KVPoll.Failed:
                 break
-            sender.send(pages[start : start + step])
+            state = [pages] if ATTENTION == "dsa" else None  # the indexer keys' pages
+            sender.send(pages[start : start + step], state_indices=state)
             time.sleep(req.get("chunk_gap_s", 0.0))  # a prefill computes between chunks
 
     threads = [threading.Thread(target=serve, args=(r,)) for r in spec["requests"]]
@@ -176,17 +204,15 @@ def run_decode(spec: dict) -> None:
         deadline = time.time() + 300  # the prefills may still be starting
         while not mgr.try_ensure_parallel_info(addr) and time.time() < deadline:
             time.sleep(0.5)
-        deadline = time.time() + 60
         receiver.init(0)
         pages = np.array(req["decode_pages"], dtype=np.int32)
         aux_index = req["room"] % SLOTS
         if receiver.poll() != KVPoll.Failed:
-            receiver.send_metadata(pages, aux_index, None)
+            receiver.send_metadata(pages, aux_index, [pages] if ATTENTION == "dsa" else None)
         status = receiver.poll()
-        while status not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
-            if req.get("abort_after_s") is not None and time.time() > deadline - 60 + req[
-                "abort_after_s"
-            ]:
+        sent = time.time()  # a loaded CI machine converts slowly under the Triton interpreter
+        while status not in (KVPoll.Success, KVPoll.Failed) and time.time() < sent + 300:
+            if req.get("abort_after_s") is not None and time.time() > sent + req["abort_after_s"]:
                 receiver.abort()
             time.sleep(0.05)
             status = receiver.poll()
@@ -204,13 +230,22 @@ def run_decode(spec: dict) -> None:
             decode_slots = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)])
             expected = make_pool(spec["dtype"])
             held = held_values(req["prefill_dtype"])
-            write_tokens(expected, decode_slots, lambda layer, s: held(layer, prefill_slots))
+            write_tokens(expected, decode_slots,
+                         lambda layer, _, h=held, src=prefill_slots: h(layer, src))
             entry["exact"] = all(
                 torch.equal(pool.kv_buffer[layer][decode_slots],
                             expected.kv_buffer[layer][decode_slots])
                 for layer in range(LAYERS)
             )
             entry["aux"] = int(aux[aux_index, 0])
+            if ATTENTION == "dsa":
+                prefill = make_pool(req["prefill_dtype"])
+                fill_index_keys(prefill)
+                entry["index_keys"] = all(
+                    torch.equal(a, b) for a, b in zip(
+                        index_keys(pool, list(pages)),
+                        index_keys(prefill, req["prefill_pages"]), strict=True)
+                )
         report.append(entry)
     Path(spec["report"]).write_text(json.dumps(report))
     print("DECODE DONE", flush=True)
@@ -218,4 +253,6 @@ def run_decode(spec: dict) -> None:
 
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
+    ATTENTION = spec.get("attention", "mla")
+    PAGE, SLOTS, NOPE, ROPE = GEOMETRY[ATTENTION]
     (run_prefill if spec["role"] == "prefill" else run_decode)(spec)

@@ -1,12 +1,14 @@
 """The PD handover through SGLang's real Mooncake transfer, two pools per KV dtype, on loopback.
 
-Four processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
+Seven processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
 server) over Mooncake's TCP transport on host memory: a BF16 and an FP8 prefill, a BF16 and an
-FP8 decode, all with the tessera handover plugin. Each decode takes requests from both prefills
+FP8 decode, a prefill without the plugin, and a DSA pair (BF16 prefill, FP8 decode), the others
+with the tessera handover plugin. Each decode takes requests from both prefills
 (BF16->FP8, FP8->BF16, BF16->BF16, FP8->FP8), in several chunks, and must hold exactly the bytes
 SGLang's own ``set_kv_buffer`` writes for the values the prefill holds. A request is aborted
 halfway; a prefill that does not convert is refused with a reason naming both sides; the decode
-serves the next request after each.
+serves the next request after each. The DSA decode holds SGLang's own packed FP8 latents and the
+prefill's indexer keys.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (model / "config.json").write_text(
         json.dumps({**TINY_CONFIGS["deepseek-v3"], "torch_dtype": "bfloat16"})
     )
-    ports = {name: _free_port() for name in ("bf16", "fp8", "plain")}
+    ports = {name: _free_port() for name in ("bf16", "fp8", "plain", "dsa")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     # (room, prefill, decode, prefill pages, decode pages, pages per chunk)
     plan = [
@@ -107,26 +109,42 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "bootstrap_port": ports["plain"], "requests": [],
             "done_file": str(tmp / "prefill-plain.done"),
         }))
+        # A DSA model (GLM 5's pool): BF16 latents become FlashMLA's packed FP8, the indexer
+        # keys (SGLang's state buffers) go as they are; chunks of one 64-token page.
+        procs.append(_start(tmp, "prefill-dsa", {
+            "role": "prefill", "attention": "dsa", "dtype": "bf16", "plugin": True,
+            "model": str(model), "bootstrap_port": ports["dsa"],
+            "requests": [{"room": 31, "prefill_pages": [1, 2, 3], "pages_per_chunk": 1},
+                         {"room": 32, "prefill_pages": [5, 9], "pages_per_chunk": 2}],
+            "done_file": str(tmp / "prefill-dsa.done"),
+        }))
         reports = {}
         decodes = {}
-        for dtype in ("bf16", "fp8_e4m3"):
-            reports[dtype] = tmp / f"decode-{dtype}.report"
-            decodes[dtype] = _start(tmp, f"decode-{dtype}", {
-                "role": "decode", "dtype": dtype, "plugin": True, "model": str(model),
-                "bootstrap_port": _free_port(), "requests": decode_requests[dtype],
-                "report": str(reports[dtype]),
+        decode_requests["dsa"] = [
+            {"room": 31, "bootstrap_addr": addr["dsa"], "prefill_pages": [1, 2, 3],
+             "decode_pages": [4, 8, 2], "prefill_dtype": "bf16"},
+            {"room": 32, "bootstrap_addr": addr["dsa"], "prefill_pages": [5, 9],
+             "decode_pages": [10, 11], "prefill_dtype": "bf16"},
+        ]
+        for name, dtype, attention in (("bf16", "bf16", "mla"), ("fp8_e4m3", "fp8_e4m3", "mla"),
+                                       ("dsa", "fp8_e4m3", "dsa")):
+            reports[name] = tmp / f"decode-{name}.report"
+            decodes[name] = _start(tmp, f"decode-{name}", {
+                "role": "decode", "attention": attention, "dtype": dtype, "plugin": True,
+                "model": str(model), "bootstrap_port": _free_port(),
+                "requests": decode_requests[name], "report": str(reports[name]),
             })
-            procs.append(decodes[dtype])
-        deadline = time.time() + 420
-        for dtype, proc in decodes.items():
+            procs.append(decodes[name])
+        deadline = time.time() + 900
+        for proc in decodes.values():
             while proc.poll() is None and time.time() < deadline:
                 time.sleep(1)
         logs = "\n".join(
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log"))
         )
         results = {}
-        for dtype, path in reports.items():
-            assert path.exists(), f"decode {dtype} wrote no report\n{logs}"
+        for name, path in reports.items():
+            assert path.exists(), f"decode {name} wrote no report\n{logs}"
             for entry in json.loads(path.read_text()):
                 results[entry["room"]] = entry
         return {"results": results, "logs": logs}
@@ -146,6 +164,15 @@ def test_pages_hold_sglangs_own_bytes(handover: dict, room: int) -> None:
     assert entry["status"] == SUCCESS, f"{entry}\n{handover['logs']}"
     assert entry["exact"], f"room {room}: decode pages differ from SGLang's own write"
     assert entry["aux"] == room % 251  # the request's metadata came with its last chunk
+
+
+@pytest.mark.parametrize("room", [31, 32], ids=["3-chunks", "1-chunk"])
+def test_dsa_pages_hold_sglangs_packed_fp8_and_the_prefills_indexer_keys(
+        handover: dict, room: int) -> None:
+    entry = handover["results"][room]
+    assert entry["status"] == SUCCESS, f"{entry}\n{handover['logs']}"
+    assert entry["exact"], "decode latents differ from SGLang's own FP8 DSA write"
+    assert entry["index_keys"], "decode indexer keys differ from the prefill's"
 
 
 def test_aborted_request_fails_and_the_decode_goes_on(handover: dict) -> None:

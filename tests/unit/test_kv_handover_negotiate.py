@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tessera.kernels.mla_kv_handover import MLAKVLayout
 from tessera.runtime.kv_handover.negotiate import (
     HandoverRefused,
