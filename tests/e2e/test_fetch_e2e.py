@@ -138,3 +138,46 @@ def test_s3_weights_fetched_once_into_the_cache_claim_then_mounted_read_only(
             new_job["metadata"]["name"]]  # the old Job was pruned
     finally:
         server.stop()
+
+
+def test_int4_conversion_starts_from_s3(operator: Any, kubectl: Any, namespace: str,
+                                        tmp_path: Path) -> None:
+    """convertFrom s3://: the conversion Job's init containers fetch, then convert; its
+    container verifies. Each runs here with its own command and mounts (the claim's folders
+    on this host), then kwok completes the Job once its claim exists."""
+    from tessera.runtime.quantize.synthetic import TINY_CONFIGS, write_checkpoint
+
+    write_checkpoint(tmp_path / "bucket" / "fp8", TINY_CONFIGS["deepseek-v3"], dtype="fp8")
+    server = S3Server({"weights": tmp_path / "bucket"}, tmp_path)
+    try:
+        kubectl("create", "secret", "generic", SECRET, "-n", namespace,
+                *(f"--from-literal={k}={v}" for k, v in server.env().items()))
+        md = tiny("conv3")
+        md["spec"]["decode"]["weights"] = {"dtype": "int4", "uri": "pvc://ckpt/int4",
+                                           "convertFrom": {"uri": "s3://weights/fp8"},
+                                           "credentialsSecret": SECRET}
+        apply(kubectl, namespace, md)
+        (job,) = poll("the conversion Job", lambda: json.loads(kubectl(
+            "get", "jobs", "-n", namespace, "-l", f"{c.LABEL_PHASE}={c.CONVERTER}",
+            "-o", "json").stdout)["items"])
+        pod = job["spec"]["template"]["spec"]
+        assert [x["name"] for x in pod["initContainers"]] == ["fetch", "convert"]
+        claim_dir = tmp_path / "claim"
+        env = {**os.environ, "PYTHONSAFEPATH": "1", **secret_env(kubectl, namespace, SECRET)}
+        for container in [*pod["initContainers"], *pod["containers"]]:
+            folders = {m["mountPath"]: (claim_dir / m["subPath"]).as_posix()
+                       for m in container["volumeMounts"]}
+            argv = [folders.get(a, a) for a in container["command"]]
+            module = ("tessera.runtime.main" if argv[0] == "tessera-runtime" else "tessera")
+            subprocess.run([sys.executable, "-m", module, *argv[1:]], env=env, check=True,
+                           capture_output=True, timeout=180)
+        assert json.loads((claim_dir / "int4" / "config.json").read_text())[
+            "quantization_config"]
+        assert (claim_dir / ".sources" / "s3" / "weights" / "fp8" / "config.json").exists()
+        for obj in claim("ckpt", namespace, str(claim_dir)):
+            apply(kubectl, namespace, obj)
+        wait_ready(kubectl, namespace, "conv3", timeout=90)
+        weights = conditions(get_md(kubectl, namespace, "conv3"))[c.WEIGHTS_READY]
+        assert (weights["status"], weights["reason"]) == ("True", "Converted")
+    finally:
+        server.stop()
