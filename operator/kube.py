@@ -12,7 +12,14 @@ from typing import Any
 
 import kubernetes
 from tessera.operator import constants as c
-from tessera.operator.refusals import RejectedError, Rejection, api_message, is_refusal
+from tessera.operator.refusals import (
+    NamespaceGone,
+    RejectedError,
+    Rejection,
+    api_message,
+    is_refusal,
+    namespace_gone,
+)
 
 Obj = dict[str, Any]
 
@@ -85,6 +92,8 @@ class Kube:
                                 [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
                                 "application/apply-patch+yaml")
         except kubernetes.client.ApiException as e:
+            if namespace_gone(e.body):
+                raise NamespaceGone(api_message(e.body, str(e.reason))) from None
             if e.status is None or not is_refusal(e.status):
                 raise
             said = api_message(e.body, str(e.reason))

@@ -24,7 +24,7 @@ from tessera.operator.conditions import Condition, event_type
 from tessera.operator.drift import needs_apply
 from tessera.operator.kube import CHILD_KINDS, Kube
 from tessera.operator.refusals import (
-    NamespaceTerminating,
+    NamespaceGone,
     RejectedError,
     Rejection,
     backoff_seconds,
@@ -333,9 +333,9 @@ class Reconciler:
             return replace(decision, apply=[])
         try:
             rejections = self._apply(decision.apply)
-        except NamespaceTerminating:
-            log.info("%s/%s: its namespace is being deleted; nothing more is applied",
-                     namespace, name)
+        except NamespaceGone:
+            log.debug("%s/%s: its namespace is being deleted; nothing more is applied",
+                      namespace, name)
             return replace(decision, apply=[])
         if not rejections:
             self._backoffs.pop(uid, None)

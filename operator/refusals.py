@@ -73,6 +73,26 @@ class RejectedError(Exception):
         self.rejection = rejection
 
 
+class NamespaceGone(Exception):
+    """Raised by the API adapter when a child cannot be created because its namespace is
+    being deleted or is gone: everything in it, the ModelDeployment included, is going, so
+    this is neither reported nor retried."""
+
+
+def namespace_gone(body: str | bytes | None) -> bool:
+    """Whether a Kubernetes Status answer refuses because the namespace is being deleted
+    (403, cause NamespaceTerminating) or no longer exists (404 for the namespace itself)."""
+    try:
+        status = json.loads(body or "")
+    except ValueError:
+        return False
+    details = (status.get("details") if isinstance(status, dict) else None) or {}
+    if status.get("reason") == "NotFound" and details.get("kind") == "namespaces":
+        return True
+    return any(cause.get("reason") == "NamespaceTerminating"
+               for cause in details.get("causes") or [])
+
+
 def is_refusal(code: int) -> bool:
     """Whether an API error is the cluster saying no (bad request, forbidden, invalid, a
     webhook's denial), which retrying unchanged will not fix, rather than a passing failure

@@ -51,6 +51,19 @@ def test_api_message_quotes_the_status_and_falls_back() -> None:
     assert api_message(None, "Forbidden") == "Forbidden"
 
 
+@pytest.mark.parametrize("status, gone", [
+    ({"code": 403, "reason": "Forbidden", "details": {"causes": [
+        {"reason": "NamespaceTerminating", "field": "metadata.namespace"}]}}, True),
+    ({"code": 404, "reason": "NotFound", "details": {"name": "llm", "kind": "namespaces"}}, True),
+    ({"code": 404, "reason": "NotFound", "details": {"name": "x", "kind": "configmaps"}}, False),
+    ({"code": 403, "reason": "Forbidden", "message": "denied by policy"}, False),
+])
+def test_a_namespace_being_deleted_is_told_apart(status: dict[str, Any], gone: bool) -> None:
+    from tessera.operator.refusals import namespace_gone
+    assert namespace_gone(json.dumps({"kind": "Status", **status})) is gone
+    assert not namespace_gone("not json") and not namespace_gone(None)
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     assert [backoff_seconds(n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 16.0]
     assert backoff_seconds(30) == 300.0
