@@ -209,7 +209,9 @@ def _fetch_object(store: Store, remote: RemoteFile, dest: Path, progress: Progre
     for attempt in (1, 2):
         problem, checked = _download(store, remote, dest, progress)
         if problem is None:
-            log.debug("%s verified (%s)", remote.path, checked)
+            # Worth a line when the store published nothing better than the size.
+            (log.info if checked.startswith("size") else log.debug)(
+                "%s verified: %s", remote.path, checked)
             return
         log.warning("%s: %s after attempt %d: discarded%s", remote.path, problem, attempt,
                     ", fetching again from the start" if attempt == 1 else "")
