@@ -132,7 +132,7 @@ class Handover:
                 f"decode {peer} uses decode-context parallelism, whose pack path reads this "
                 "prefill's pool directly: give both pools the same KV dtype"
             )
-        return plan_for_peer(
+        plan = plan_for_peer(
             kv_cache_dtype=self.dtype,
             item_lens=self.mgr.kv_args.kv_item_lens,
             page_size=self.page_size,
@@ -140,6 +140,13 @@ class Handover:
             peer_item_lens=registration.dst_kv_item_lens or [registration.dst_kv_item_len],
             peer=peer,
         )
+        if plan.converts and not self.mgr.is_mla_backend:
+            raise HandoverRefused(
+                f"decode {peer} stores its KV in another dtype, and the handover converts MLA "
+                "latents only (this model's K/V heads are split and scaled differently): give "
+                "both pools the same KV dtype"
+            )
+        return plan
 
     def staging(self) -> Staging:
         with self._lock:
