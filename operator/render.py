@@ -26,6 +26,7 @@ from tessera.runtime.config import (
     WeightsConfig,
 )
 from tessera.runtime.planner import DeploymentPlan
+from tessera.runtime.planner.decode_attention import choose_decode_attention
 
 
 def checkpoint_path(uri: str) -> str:
@@ -73,7 +74,8 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         ports=PortsConfig(http=c.PORT_HTTP, bootstrap=c.PORT_BOOTSTRAP),
         # The tag check guards the pool that decodes; SGLang's transfer checksum must be on
         # both roles of a disaggregated pair.
-        kernels=KernelsConfig(decode_attention=kernels.get("decodeAttention", "sglang"),
+        kernels=KernelsConfig(decode_attention=choose_decode_attention(plan.architecture,
+                                                                       planned.spec).impl,
                               w4a16=kernels.get("w4a16", "sglang")),
         integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
         disaggregation=disaggregation_config(spec, phase, integrity),

@@ -36,6 +36,10 @@ KVDtype = Literal["bf16", "fp8_e4m3"]
 # own `quant_method: fp8` config), or one of the INT4-capable quantization formats.
 CheckpointFormat = Literal["safetensors", "compressed-tensors", "awq", "gptq"]
 KernelImpl = Literal["tessera", "sglang"]
+# Decode attention also has SGLang's FlashMLA backend (MLA models, 64-token pages), chosen by
+# name because SGLang's own default on Hopper is FA3.
+DecodeAttentionImpl = Literal["tessera", "sglang", "flashmla"]
+FLASHMLA_PAGE_SIZE = 64
 TransferBackend = Literal["mooncake", "nixl"]
 # How the KV moves between the pods: over RDMA devices, or over the pod network by TCP.
 Transport = Literal["rdma", "tcp"]
@@ -175,9 +179,10 @@ class IntegrityConfig(_Frozen):
 
 
 class KernelsConfig(_Frozen):
-    """Per kernel family: tessera's Triton kernel, or SGLang's own (the fallback)."""
+    """Per kernel family: tessera's Triton kernel, or SGLang's own (the fallback); decode
+    attention may also name SGLang's FlashMLA backend."""
 
-    decode_attention: KernelImpl = "sglang"
+    decode_attention: DecodeAttentionImpl = "sglang"
     w4a16: KernelImpl = "sglang"
 
 
@@ -270,6 +275,14 @@ class RuntimeConfig(_Versioned):
             raise ValueError(
                 "disaggregation settings apply to prefill and decode phases only; "
                 "remove them from a single-pool phase"
+            )
+        # SGLang would silently switch to 64-token pages, unlike the pool the plan sized.
+        if (self.kernels.decode_attention == "flashmla"
+                and self.kv_cache.page_size != FLASHMLA_PAGE_SIZE):
+            raise ValueError(
+                f"kernels.decode_attention flashmla reads {FLASHMLA_PAGE_SIZE}-token pages, the "
+                f"KV cache has {self.kv_cache.page_size}; set kv_cache.page_size "
+                f"{FLASHMLA_PAGE_SIZE} or choose tessera or sglang"
             )
         return self
 

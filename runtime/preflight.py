@@ -102,6 +102,8 @@ def capability_needs(config: RuntimeConfig) -> list[tuple[tuple[int, int], str]]
     for family in ("decode_attention", "w4a16"):
         if getattr(config.kernels, family) == "tessera":
             needs.append(((9, 0), f"tessera's Hopper {family} kernels"))
+    if config.kernels.decode_attention == "flashmla":
+        needs.append(((9, 0), "SGLang's FlashMLA decode attention"))
     return needs
 
 

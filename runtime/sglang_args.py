@@ -29,6 +29,13 @@ QUANTIZATION: dict[tuple[str, str], str | None] = {
     ("int4", "gptq"): "gptq_marlin",
 }
 
+# kernels.decode_attention -> SGLang --decode-attention-backend; None: SGLang's own choice.
+DECODE_ATTENTION_BACKEND: dict[str, str | None] = {
+    "tessera": "triton",
+    "flashmla": "flashmla",
+    "sglang": None,
+}
+
 SGLANG_SERVER = (sys.executable, "-m", "sglang.launch_server")
 SGLANG_ROUTER = (sys.executable, "-m", "sglang_router.launch_router")
 
@@ -71,10 +78,11 @@ def sglang_argv(config: RuntimeConfig, node: NodePlacement | None = None,
         argv += ["--quantization", quantization]
     if model.trust_remote_code:
         argv.append("--trust-remote-code")
-    if config.kernels.decode_attention == "tessera":
-        # tessera's decode attention replaces the Triton backend's decode kernel; prefill
-        # keeps SGLang's default backend.
-        argv += ["--decode-attention-backend", "triton"]
+    # Decode only: prefill keeps SGLang's default backend. tessera's decode attention replaces
+    # the Triton backend's decode kernel; FlashMLA must be named, SGLang's Hopper default is FA3.
+    backend = DECODE_ATTENTION_BACKEND[config.kernels.decode_attention]
+    if backend is not None:
+        argv += ["--decode-attention-backend", backend]
     if config.memory.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(config.memory.mem_fraction_static)]
     if config.phase != "single":

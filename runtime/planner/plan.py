@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from tessera.runtime.capabilities import FP8_KV_MIN_COMPUTE_CAPABILITY, KV_HANDOFF_CONVERSIONS
+from tessera.runtime.config import DecodeAttentionImpl
 from tessera.runtime.fetch.source import REMOTE_SCHEMES
 from tessera.runtime.planner.architecture import Architecture, resolve_architecture
+from tessera.runtime.planner.decode_attention import flashmla_problem
 from tessera.runtime.planner.engine import (
     GiB,
     engine_defaults,
@@ -91,6 +93,8 @@ class PhaseSpec:
     page_size: int
     mem_fraction_static: float | None  # None: SGLang's default rule
     nodes: int = 1  # nodes one replica spans (tensor_parallel over the node's GPUs)
+    # kernels.decodeAttention as the spec says it; None: the measured winner (decode_attention.py)
+    decode_attention: DecodeAttentionImpl | None = None
 
     @property
     def attention_tp(self) -> int:
@@ -301,6 +305,11 @@ def _phase_rules(phase: PhaseSpec, arch: Architecture,
             f"{p}: SGLang runs models with a sparse-attention indexer with 64-token pages "
             f"whatever the flag says; set kvCache.pageSize to 64 (got {phase.page_size}) so the "
             "plan and the engine agree.", PRECISION))
+    if phase.decode_attention == "flashmla":
+        problem = flashmla_problem(arch, phase.page_size)
+        if problem is not None:
+            out.append(Finding("error", "DecodeAttentionUnsupported",
+                               f"{p}: kernels.decodeAttention flashmla: {problem}.", PRECISION))
     return out + _alignment_rules(phase, arch)
 
 
@@ -470,7 +479,16 @@ def _phase_spec(name: str, raw: Any, arch: Architecture, gpus_per_node: int) -> 
         page_size=_positive_int(kv, "pageSize", f"{path}.kvCache", default=DEFAULT_PAGE_SIZE),
         mem_fraction_static=None if fraction is None else float(fraction),
         nodes=nodes_per_replica(tp, gpus_per_node),
+        decode_attention=_decode_attention(raw, path),
     )
+
+
+def _decode_attention(raw: Mapping[str, Any], path: str) -> DecodeAttentionImpl | None:
+    value = _mapping(raw, "kernels", path).get("decodeAttention")
+    if value is not None and value not in get_args(DecodeAttentionImpl):
+        raise PlanError(f"{path}.kernels.decodeAttention {value!r} is not one of "
+                        f"{list(get_args(DecodeAttentionImpl))}")
+    return value
 
 
 def _modules(raw: Any, path: str) -> list[Module]:

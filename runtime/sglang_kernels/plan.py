@@ -38,6 +38,9 @@ class KernelPlan:
 
 
 def plan_decode_attention(switch: str, kv_dtype: str) -> FamilyPlan:
+    if switch == "flashmla":
+        return FamilyPlan(DECODE_ATTENTION, False,
+                          "SGLang's FlashMLA backend (--decode-attention-backend flashmla)")
     if switch != "tessera":
         return FamilyPlan(DECODE_ATTENTION, False, "switch set to sglang")
     # Both CRD KV dtypes (bf16, fp8_e4m3) have a tessera paged decode kernel.

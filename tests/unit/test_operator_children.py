@@ -180,7 +180,8 @@ def test_engine_config_carries_the_phase_precision_and_plan() -> None:
     assert config["kv_cache"]["dtype"] == "fp8_e4m3"
     assert config["integrity"] == {"enabled": True}
     assert config["memory"]["planned_weights_bytes_per_gpu"] > 0
-    assert config["kernels"] == {"decode_attention": "sglang", "w4a16": "sglang"}  # the default
+    # Unset: Kimi K2 is MLA with 64-token pages, where FlashMLA measured fastest.
+    assert config["kernels"] == {"decode_attention": "flashmla", "w4a16": "sglang"}
 
 
 def test_kernel_switches_reach_the_phase_runtime_config() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pydantic import ValidationError
 from tessera.runtime.config import (
     FORMATS_FOR_DTYPE,
     ConfigError,
@@ -115,11 +116,23 @@ def test_disaggregation_extras_and_remote_code():
     assert parse(sglang_argv(config, transport="tcp")).disaggregation_ib_device is None
 
 
-@pytest.mark.parametrize("impl, backend", [("sglang", None), ("tessera", "triton")])
-def test_tessera_decode_attention_selects_the_triton_decode_backend(impl, backend):
-    config = make_config("decode", ("int4", "compressed-tensors"), "fp8_e4m3",
+@pytest.mark.parametrize("impl, backend", [
+    ("sglang", None), ("tessera", "triton"), ("flashmla", "flashmla")])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_decode_attention_selects_sglangs_decode_backend(impl, backend, kv):
+    config = make_config("decode", ("int4", "compressed-tensors"), kv,
+                         kv_cache=KVCacheConfig(dtype=kv, page_size=64),
                          kernels=KernelsConfig(decode_attention=impl))
-    assert parse(sglang_argv(config)).decode_attention_backend == backend
+    parsed = parse(sglang_argv(config))
+    assert parsed.decode_attention_backend == backend
+    assert parsed.attention_backend is None  # prefill keeps SGLang's default
+    assert (parsed.page_size, parsed.kv_cache_dtype) == (64, kv)
+
+
+def test_flashmla_needs_64_token_pages():
+    with pytest.raises(ValidationError, match="flashmla reads 64-token pages, the KV cache has 32"):
+        make_config("decode", ("bf16", "safetensors"), "bf16",
+                    kernels=KernelsConfig(decode_attention="flashmla"))
 
 
 def test_multi_node_placement():
