@@ -80,6 +80,24 @@ def groups(kubectl: Callable[..., Any], namespace: str) -> dict[str, dict[str, d
     return out
 
 
+def test_lws_webhooks_are_called_on_loopback(kubectl: Any, namespace: str) -> None:
+    """The API server reaches LWS's webhooks: the mutating one defaults, the validating one
+    refuses what only it checks (both unavailable would be a surge of 0 and nothing down)."""
+    lws = {"apiVersion": c.LWS_API_VERSION, "kind": c.LWS_KIND,
+           "metadata": {"name": "hook", "namespace": namespace},
+           "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": {
+               "spec": {"containers": [{"name": "c", "image": "i"}]}}}}}
+    created = json.loads(kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                 input=lws).stdout)
+    assert created["spec"]["networkConfig"] == {"subdomainPolicy": "Shared"}
+    lws["spec"]["rolloutStrategy"] = {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+        "maxUnavailable": 0, "maxSurge": 0}}
+    refused = kubectl("create", "--dry-run=server", "-f", "-", input=lws, check=False)
+    assert refused.returncode != 0
+    assert 'admission webhook "vleaderworkerset.kb.io" denied the request' in refused.stderr
+    assert "must not be 0 when `maxSurge` is 0" in refused.stderr
+
+
 def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
         operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
     apply(kubectl, namespace, wide("mn"))
