@@ -129,6 +129,10 @@ def test_a_gpu_quota_below_a_phase_reaches_ready_and_degraded(
     assert (ready["status"], ready["reason"]) == ("False", "QuotaExceeded")
     assert "decode 0/2 ready: pods not created:" in ready["message"]
     assert "exceeded quota: gpus" in ready["message"]
+    # `kubectl get md` answers "why not up?" on its own line.
+    header, row = kubectl("get", "md", "quota", "-n", namespace).stdout.splitlines()
+    assert header.split()[:3] == ["NAME", "READY", "REASON"]
+    assert row.split()[:4] == ["quota", "False", "QuotaExceeded", "prefill"]
     print(kubectl("describe", "md", "quota", "-n", namespace).stdout)
     quiet_log(operator, log_offset)
 
