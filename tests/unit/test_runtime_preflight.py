@@ -119,12 +119,16 @@ def test_tessera_kernels_pass_on_hopper(int4_ckpt):
         ([l40s(0)], {"tp": 1, "planned_gib": None,
                      "kernels": KernelsConfig(decode_attention="tessera")},
          Failure.COMPUTE_CAPABILITY, "capability 8.9 but tessera's Hopper decode_attention"),
+        ([l40s(0)], {"tp": 1, "planned_gib": None,
+                     "kernels": KernelsConfig(decode_attention="flashmla")},
+         Failure.COMPUTE_CAPABILITY, "capability 8.9 but SGLang's FlashMLA decode attention "
+         "needs 9.0"),
         ([h200(i, free_gib=139.0 if i != 5 else 100.0) for i in range(8)], {}, Failure.GPU_MEMORY,
          r"GPU 5 has 100.0 GiB free but the capacity plan needs 110.0 GiB per GPU "
          r"\(weights 60.0 \+ KV pool 50.0\)"),
     ],
     ids=["no-gpu", "too-few", "fp8-kv-on-8.0", "hopper-kernels-on-8.0", "hopper-kernels-on-8.9",
-         "memory"],
+         "flashmla-on-8.9", "memory"],
 )
 def test_gpu_failures(int4_ckpt, gpus, config_args, failure, message):
     result = preflight(config_for(int4_ckpt, **config_args), gpus)

@@ -54,6 +54,13 @@ WEIGHTS = [
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_flashmla_decode_attention_patches_nothing(kv):
+    plan = plan_kernels(config(kv, attention="flashmla", w4a16="sglang"))
+    assert plan.patched == frozenset()
+    assert "decode_attention: sglang (SGLang's FlashMLA backend" in plan.lines()[0]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("switches", [("tessera", "tessera"), ("sglang", "sglang")])
 def test_plan_covers_every_crd_combination(kv, weights, switches):
