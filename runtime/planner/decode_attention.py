@@ -43,14 +43,13 @@ class DecodeAttentionChoice:
 def flashmla_problem(arch: Architecture, page_size: int) -> str | None:
     """Why SGLang's FlashMLA backend cannot serve this model and page size, or None."""
     if not arch.is_mla:
-        return ("FlashMLA is an MLA kernel and this model has GQA/MHA attention; "
-                "choose tessera or sglang")
+        return "FlashMLA is an MLA kernel and this model has GQA/MHA attention"
     if arch.has_indexer:
         return ("this model's sparse attention runs SGLang's dsa backend, which FlashMLA "
-                "would replace with dense attention; choose sglang")
+                "would replace with dense attention")
     if page_size != FLASHMLA_PAGE_SIZE:
-        return (f"FlashMLA reads {FLASHMLA_PAGE_SIZE}-token pages; set kvCache.pageSize "
-                f"{FLASHMLA_PAGE_SIZE} (got {page_size}) or choose tessera or sglang")
+        return (f"FlashMLA reads {FLASHMLA_PAGE_SIZE}-token pages and this phase has "
+                f"{page_size} (kvCache.pageSize)")
     return None
 
 
@@ -71,7 +70,7 @@ def choose_decode_attention(arch: Architecture, phase: PhaseSpec) -> DecodeAtten
             "sglang", "GQA: SGLang's Hopper default (FA3) was not measured against tessera's")
     problem = flashmla_problem(arch, phase.page_size)
     if problem is not None:
-        return DecodeAttentionChoice("sglang", f"SGLang's own: {problem}")
+        return DecodeAttentionChoice("sglang", f"SGLang's own, not FlashMLA: {problem}")
     heads = arch.num_attention_heads // phase.attention_tp
     measured = measured_heads(heads)
     return DecodeAttentionChoice(

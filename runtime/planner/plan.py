@@ -308,8 +308,11 @@ def _phase_rules(phase: PhaseSpec, arch: Architecture,
     if phase.decode_attention == "flashmla":
         problem = flashmla_problem(arch, phase.page_size)
         if problem is not None:
-            out.append(Finding("error", "DecodeAttentionUnsupported",
-                               f"{p}: kernels.decodeAttention flashmla: {problem}.", PRECISION))
+            out.append(Finding(
+                "error", "DecodeAttentionUnsupported",
+                f"{p}: kernels.decodeAttention flashmla: {problem}; leave decodeAttention unset "
+                "(the operator picks the fastest measured that runs here) or set it to sglang.",
+                PRECISION))
     return out + _alignment_rules(phase, arch)
 
 
