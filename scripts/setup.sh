@@ -30,5 +30,5 @@ fi
 echo "== control-plane binaries (cold build: tens of minutes; then cached)"
 "$PYTHON" -m tessera dev-cluster build
 
-echo "== weight-fetch test servers: S3 (Go module proxy) and olah's venv (then cached)"
+echo "== weight-fetch test servers: S3 and GCS (Go module proxy), olah's venv (then cached)"
 "$PYTHON" tests/stores.py >/dev/null

@@ -2,18 +2,22 @@
 
 - S3: tests/s3server, gofakes3's in-memory S3 (MIT) with Signature V4 checked against one
   key, built from the Go module proxy once and cached by the hash of its sources.
+- GCS: fake-gcs-server (BSD-2-Clause), built from the Go module proxy once and cached. It
+  checks no credentials; its listing's ETags are base64, so a gs:// fetch from it is checked
+  by size (real GCS gives the hex MD5 of a non-composite object, checked as such).
 - Hugging Face: olah (MIT) serving local git repositories (LFS objects included) in its
   offline mirror mode: the Hub's API as huggingface_hub calls it. olah's dependencies
   (fastapi-utils pins psutil<6) do not belong in the project's environment, so it lives in
   a virtual environment of its own, made once and cached.
 
-`python3 tests/stores.py` prepares both (scripts/setup.sh runs it).
+`python3 tests/stores.py` prepares all three (scripts/setup.sh runs it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import socket
@@ -27,6 +31,7 @@ from typing import IO
 ROOT = Path(__file__).resolve().parents[1]
 S3SERVER_SOURCE = ROOT / "tests" / "s3server"
 OLAH = "olah==0.5.4"
+FAKE_GCS = "github.com/fsouza/fake-gcs-server@v1.56.1"
 ACCESS_KEY = "TESSERATESTKEY"
 SECRET_KEY = "tessera-test-secret-key"
 
@@ -46,6 +51,18 @@ def s3server_binary() -> Path:
         subprocess.run(["go", "build", "-trimpath", "-o", str(binary) + ".tmp", "."],
                        cwd=S3SERVER_SOURCE, check=True, env={**os.environ, "CGO_ENABLED": "0"})
         os.replace(str(binary) + ".tmp", binary)
+    return binary
+
+
+def fake_gcs_binary() -> Path:
+    """fake-gcs-server, built on first use (about five minutes cold on two cores)."""
+    module, version = FAKE_GCS.split("@")
+    binary = cache_root() / "fake-gcs-server" / version / "fake-gcs-server"
+    if not binary.exists():
+        build = binary.parent / "build"
+        subprocess.run(["go", "install", "-trimpath", FAKE_GCS], check=True, cwd=cache_root(),
+                       env={**os.environ, "CGO_ENABLED": "0", "GOBIN": str(build)})
+        os.replace(build / module.rsplit("/", 1)[1], binary)
     return binary
 
 
@@ -182,6 +199,25 @@ class Proxy:
         self._listener.close()
 
 
+class GcsServer(_Process):
+    """fake-gcs-server over `data` (each folder a bucket, each file under it an object);
+    `env()` is a service-account key pointing obstore's GCS client at it."""
+
+    def __init__(self, data: Path, workdir: Path) -> None:
+        port = _free_port()
+        netloc = f"127.0.0.1:{port}"
+        super().__init__([str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1",
+                          "-port", str(port), "-backend", "memory", "-data", str(data),
+                          "-public-host", netloc], workdir / "fake-gcs-server.log")
+        self.wait_for("server started")
+        self.endpoint = f"http://{netloc}"
+
+    def env(self) -> dict[str, str]:
+        key = {"gcs_base_url": self.endpoint, "disable_oauth": True, "client_email": "",
+               "private_key": "", "private_key_id": ""}
+        return {"GOOGLE_SERVICE_ACCOUNT_KEY": json.dumps(key)}
+
+
 def lfs_repo(root: Path, org: str, name: str, files: dict[str, bytes],
              lfs: set[str]) -> tuple[Path, str]:
     """A git repository as the Hub stores one: `lfs` files as LFS pointers with their
@@ -232,4 +268,5 @@ class HubMirror(_Process):
 
 if __name__ == "__main__":
     print(s3server_binary())
+    print(fake_gcs_binary())
     print(olah_python())

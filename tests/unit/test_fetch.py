@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stores import SECRET_KEY, HubMirror, Proxy, S3Server, lfs_repo
+from stores import SECRET_KEY, GcsServer, HubMirror, Proxy, S3Server, lfs_repo
 from tessera.runtime.fetch.download import Progress, redact
 from tessera.runtime.fetch.source import STATE_DIR, FetchFailure, Source, SourceError, cache_dir
 from tessera.runtime.fetch.verify import (
@@ -236,6 +237,22 @@ def test_s3_wrong_secret_is_one_clear_line_without_the_secret(s3: S3Server,
     missing = fetch("s3://nothing-here/x", tmp_path / "dest", s3.env())
     assert missing.returncode == FetchFailure.NOT_FOUND
     assert "s3://nothing-here: not found (HTTP 404 NoSuchBucket)" in missing.stderr
+
+
+def test_gs_tree_arrives_byte_identical(tree: Path, tmp_path: Path) -> None:
+    data = tmp_path / "gcs"
+    shutil.copytree(tree, data / "gbucket" / "ckpt")
+    server = GcsServer(data, tmp_path)
+    try:
+        result = fetch("gs://gbucket/ckpt", tmp_path / "dest", server.env())
+        again = fetch("gs://gbucket/ckpt", tmp_path / "dest", server.env())
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    assert same_tree(tree, tmp_path / "dest")
+    # This server's ETags are base64, not the hex MD5 real GCS gives: the log says so.
+    assert "model-00001-of-00001.safetensors verified: size only" in result.stderr
+    assert "4 already verified here, 0.00 GiB to fetch" in again.stderr
 
 
 def test_a_fetched_synthetic_checkpoint_passes_preflight(tmp_path: Path) -> None:
