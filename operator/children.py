@@ -148,15 +148,18 @@ def gpus_per_node(spec: Mapping[str, Any]) -> int:
     return int(spec.get("nodePool", {}).get("gpu", {}).get("perNode", DEFAULT_GPUS_PER_NODE))
 
 
-def gpus_per_pod(phase_spec: Mapping[str, Any], per_node: int = DEFAULT_GPUS_PER_NODE) -> int:
+def gpus_per_replica(phase_spec: Mapping[str, Any]) -> int:
+    return int(phase_spec.get("tensorParallel", 8))
+
+
+def gpus_per_pod(phase_spec: Mapping[str, Any], per_node: int) -> int:
     """A replica's GPUs, or one node's when the replica spans nodes (one pod per node)."""
-    return min(int(phase_spec.get("tensorParallel", 8)), per_node)
+    return min(gpus_per_replica(phase_spec), per_node)
 
 
 def nodes_per_replica(spec: Mapping[str, Any], phase: str) -> int:
     """How many nodes one replica of `phase` spans (the CRD admits only whole nodes)."""
-    return planner.nodes_per_replica(int(spec[phase].get("tensorParallel", 8)),
-                                     gpus_per_node(spec))
+    return planner.nodes_per_replica(gpus_per_replica(spec[phase]), gpus_per_node(spec))
 
 
 def workload_kind(spec: Mapping[str, Any], phase: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.operator import constants as c
-from tessera.operator.children import gpus_per_pod, phase_scheduling
+from tessera.operator.children import gpus_per_replica, phase_scheduling
 
 CHILD_REJECTED = "ChildRejected"
 POD_SECURITY_REJECTED = "PodSecurityRejected"
@@ -220,7 +220,7 @@ def observe_refusals(spec: Mapping[str, Any], replica_failures: Mapping[str, str
         need = ""
         if component in spec and component in c.PHASES:
             need = pool_need(int(spec[component].get("replicas", 1)),
-                             gpus_per_pod(spec[component]), gpus_per_node,
+                             gpus_per_replica(spec[component]), gpus_per_node,
                              phase_scheduling(spec, component).get("nodeSelector", {}))
         out += pod_refusals(component, by_component.get(component, []), need)
     return out
