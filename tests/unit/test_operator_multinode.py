@@ -251,3 +251,13 @@ def test_a_hand_edit_of_the_group_set_is_restored_alone() -> None:
     decision = decide(md, owned, intend(md, render_configs), NOW)
     assert [key_of(o) for o in decision.apply] == [key]
     assert decision.apply[0]["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+
+def test_an_unplaceable_group_pod_says_how_many_whole_nodes_the_phase_needs() -> None:
+    from tessera.operator.refusals import observe_refusals
+    pod = {"metadata": {"name": "kimi-k2-prefill-1-1", "labels": {c.LABEL_PHASE: "prefill"}},
+           "status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                                      "reason": "Unschedulable",
+                                      "message": "0/4 nodes are available"}]}}
+    [refusal] = observe_refusals(kimi()["spec"], {"prefill": ""}, [pod])
+    assert "2 replica(s) x 16 GPU(s) need 4 node(s) with 8 free GPU(s) each" in refusal.message
