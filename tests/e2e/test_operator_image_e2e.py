@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # What images/operator/Dockerfile copies into its build stage.
 IMAGE_FILES = ("pyproject.toml", "setup.py", "README.md")
 IMAGE_FOLDERS = ("tessera", "operator", "runtime", "kernels")
-NOT_IN_IMAGE = ("torch", "triton", "numpy", "safetensors", "sglang", "cryptography")
+NOT_IN_IMAGE = ("torch", "triton", "numpy", "safetensors", "sglang", "huggingface_hub",
+                "obstore", "cryptography")
 INSTALL_TIMEOUT_S = 600
 
 
@@ -93,7 +94,7 @@ def test_the_image_environment_lacks_the_gpu_and_dev_packages(image_venv: Path) 
     found = subprocess.run(
         [python, "-c", "import importlib.util, json, sys; print(json.dumps("
          "{m: importlib.util.find_spec(m) is not None for m in sys.argv[1:]}))", *NOT_IN_IMAGE],
-        capture_output=True, text=True, check=True, timeout=60)
+        cwd=image_venv, capture_output=True, text=True, check=True, timeout=60)
     assert json.loads(found.stdout) == dict.fromkeys(NOT_IN_IMAGE, False)
     where = subprocess.run([python, "-c", "import tessera; print(tessera.__file__)"],
                            cwd=image_venv, capture_output=True, text=True, check=True,

@@ -1,9 +1,10 @@
 """Each command imports only what its install carries.
 
 The operator image installs `tessera[operator]` on a slim Python: no torch, triton, numpy,
-safetensors, SGLang, nor the dev cluster's `cryptography`. `tessera plan` runs on the base
-install (pyyaml, pydantic). Each check runs in a fresh interpreter whose import system refuses
-the packages the install lacks, as an absent package would.
+safetensors, SGLang, no weight-fetch clients, nor the dev cluster's `cryptography`.
+`tessera plan` runs on the base install (pyyaml, pydantic). Each check runs in a fresh
+interpreter whose import system refuses the packages the install lacks, as an absent package
+would.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_AND_ENGINE = ("torch", "triton", "numpy", "safetensors", "sglang", "sgl_kernel")
+GPU_AND_ENGINE = ("torch", "triton", "numpy", "safetensors", "sglang", "sgl_kernel", "mooncake")
+FETCH_EXTRA = ("huggingface_hub", "hf_xet", "obstore")  # the runtime's fetch Job, not the operator
 DEV_CLUSTER = ("cryptography",)
 OPERATOR_EXTRA = ("kopf", "kubernetes", "prometheus_client")
-NOT_IN_OPERATOR_IMAGE = GPU_AND_ENGINE + DEV_CLUSTER
+NOT_IN_OPERATOR_IMAGE = GPU_AND_ENGINE + FETCH_EXTRA + DEV_CLUSTER
 NOT_IN_BASE_INSTALL = NOT_IN_OPERATOR_IMAGE + OPERATOR_EXTRA
 
 # Prepended to each child program: refuses `absent` packages and reports what got imported.
