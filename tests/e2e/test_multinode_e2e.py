@@ -207,6 +207,27 @@ def test_changing_only_decode_leaves_the_groups_untouched(
     assert {p["metadata"]["uid"] for p in pods(kubectl, namespace, "prefill")} == prefill
 
 
+def test_changing_prefill_rolls_every_group_and_not_decode(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    apply(kubectl, namespace, wide("pre"))
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "pre"), READY_TIMEOUT_S)
+    prefill = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "prefill")}
+    decode = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "decode")}
+
+    changed = wide("pre")
+    changed["spec"]["prefill"]["memFractionStatic"] = 0.85
+    apply(kubectl, namespace, changed)
+
+    def rolled() -> bool:
+        new = {p["metadata"]["uid"] for p in pods(kubectl, namespace, "prefill")}
+        return len(new) == 4 and not new & prefill and ready(kubectl, namespace, "pre")
+
+    poll("every prefill group replaced and Ready", rolled, 2 * READY_TIMEOUT_S)
+    [lws] = objects(kubectl, namespace, "leaderworkersets")
+    assert lws["status"]["updatedReplicas"] == lws["status"]["readyReplicas"] == 2
+    assert {p["metadata"]["uid"] for p in pods(kubectl, namespace, "decode")} == decode
+
+
 def test_switching_between_one_and_two_nodes_per_replica_leaves_no_orphans(
         operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
     apply(kubectl, namespace, wide("sw", prefill_tp=8))
