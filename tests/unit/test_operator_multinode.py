@@ -261,3 +261,21 @@ def test_an_unplaceable_group_pod_says_how_many_whole_nodes_the_phase_needs() ->
                                       "message": "0/4 nodes are available"}]}}
     [refusal] = observe_refusals(kimi()["spec"], {"prefill": ""}, [pod])
     assert "2 replica(s) x 16 GPU(s) need 4 node(s) with 8 free GPU(s) each" in refusal.message
+
+
+def test_the_router_discovers_only_leaders_through_its_own_parser() -> None:
+    import argparse
+
+    router_args = pytest.importorskip(
+        "sglang_router.router_args",
+        reason="sglang-router is not installed: pip install --no-deps -r "
+               "scripts/sglang-no-deps.txt")
+    from tessera.runtime.sglang_args import router_argv
+    config = RouterConfig.model_validate_json(configs(kimi())["router"])
+    parser = argparse.ArgumentParser()
+    router_args.RouterArgs.add_cli_args(parser)
+    parsed = router_args.RouterArgs.from_cli_args(parser.parse_args(router_argv(config)))
+    parsed._validate_router_args()
+    assert parsed.prefill_selector == {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: "prefill",
+                                       "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    assert parsed.decode_selector == {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: "decode"}
