@@ -155,6 +155,14 @@ def _engine_failure(status: Mapping[str, Any]) -> str:
     return f"container {status.get('name', '?')} " + "; ".join(parts)
 
 
+NAMED_PODS = 3  # pods named in one message; the rest are counted
+
+
+def _some(names: Sequence[str]) -> str:
+    more = len(names) - NAMED_PODS
+    return ", ".join(names[:NAMED_PODS]) + (f" and {more} more" if more > 0 else "")
+
+
 def pod_refusals(component: str, pods: Iterable[Mapping[str, Any]],
                  need: str = "") -> list[Refusal]:
     """Pods the scheduler cannot place and engines that exited, one refusal per distinct
@@ -176,7 +184,7 @@ def pod_refusals(component: str, pods: Iterable[Mapping[str, Any]],
             found.setdefault((ENGINE_FAILED, failure), []).append(meta["name"])
     out = []
     for (reason, said), names in found.items():
-        who = f"pod {names[0]}" if len(names) == 1 else f"pods {', '.join(names)}"
+        who = f"pod {names[0]}" if len(names) == 1 else f"pods {_some(names)}"
         out.append(Refusal(component, reason,
                            f"{who} unschedulable: {said}{f' ({need})' if need else ''}"
                            if reason == UNSCHEDULABLE else f"{who}: {said}"))

@@ -127,8 +127,12 @@ NO_IMAGE = {"name": "engine", "ready": False,
               'Back-off pulling image "tessera/runtime:nope"')]),
     # a pod on its way out says nothing
     ([pod("d-1", scheduled=UNPLACED, deleting=True)], []),
+    # many alike: three named, the rest counted
+    ([pod(f"d-{i}", scheduled=UNPLACED) for i in range(5)],
+     [Refusal("decode", UNSCHEDULABLE,
+              f"pods d-0, d-1, d-2 and 2 more unschedulable: {SCHEDULER} (needs 1 node)")]),
 ], ids=["running", "unschedulable", "two-alike", "crash-loop", "exited", "recovered",
-        "image", "deleting"])
+        "image", "deleting", "many-alike"])
 def test_pod_refusals(pods: list[dict[str, Any]], expected: list[Refusal]) -> None:
     assert pod_refusals("decode", pods, "needs 1 node") == expected
 
