@@ -26,6 +26,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("tessera.runtime.quantize.cli", "FP8/BF16 checkpoint -> INT4 W4A16 checkpoint"),
 }
 
+# Commands whose dependencies one extra of the package carries, for the missing-package hint.
+EXTRAS = {"operator": "operator"}
+
 T = TypeVar("T")
 
 
@@ -36,8 +39,10 @@ def _needing_dependencies(command: str, step: Callable[[], T]) -> T:
     except ModuleNotFoundError as err:
         if not err.name or err.name.partition(".")[0] == "tessera":
             raise
+        install = (f"'tessera[{EXTRAS[command]}]'" if command in EXTRAS
+                   else err.name.partition(".")[0])
         raise SystemExit(f"tessera {command}: needs the Python package {err.name!r}, which is not "
-                         f"installed here (pip install {err.name.partition('.')[0]})") from err
+                         f"installed here (pip install {install})") from err
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

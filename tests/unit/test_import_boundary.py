@@ -115,5 +115,5 @@ def test_a_missing_package_says_what_to_install() -> None:
     """)
     assert result.returncode == 1
     assert "tessera operator: needs the Python package 'kopf'" in result.stderr
-    assert "pip install kopf" in result.stderr
+    assert "pip install 'tessera[operator]'" in result.stderr
     assert "Traceback" not in result.stderr
