@@ -105,6 +105,12 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["spec.router.policy", "Unsupported value"]),
     ("unknown kernel provider", lambda m: m["spec"]["decode"].update(kernels={"w4a16": "marlin"}),
      ["spec.decode.kernels.w4a16", "Unsupported value"]),
+    ("unknown decode attention",
+     lambda m: m["spec"]["decode"].update(kernels={"decodeAttention": "fa3"}),
+     ["spec.decode.kernels.decodeAttention", "Unsupported value", '"flashmla"']),
+    ("flashmla on 32-token pages", lambda m: m["spec"]["decode"].update(
+        kernels={"decodeAttention": "flashmla"}, kvCache={"pageSize": 32}),
+     ["spec.decode.kvCache.pageSize", "flashmla reads 64-token pages"]),
     ("conversion into a non-pvc output", lambda m: m["spec"]["decode"]["weights"].update(
         convertFrom={"uri": "pvc://ckpt/fp8"}),
      ["spec.decode.weights.convertFrom", "needs dtype int4 and a pvc:// uri"]),
@@ -160,6 +166,17 @@ def crd(cluster: Any) -> None:
 
 def test_the_valid_base_is_accepted(crd: None, kubectl: Any, namespace: str) -> None:
     kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=valid())
+
+
+def test_flashmla_on_the_default_page_size_is_accepted(crd: None, kubectl: Any,
+                                                      namespace: str) -> None:
+    m = valid()
+    m["spec"]["decode"]["kernels"] = {"decodeAttention": "flashmla"}
+    out = kubectl("apply", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-", input=m)
+    stored = json.loads(out.stdout)["spec"]
+    assert stored["decode"]["kvCache"]["pageSize"] == 64  # the default, which FlashMLA reads
+    # Unset stays unset: the operator chooses, not a schema default.
+    assert "decodeAttention" not in stored["prefill"]["kernels"]
 
 
 # Replicas wider than one node: (tensorParallel, expertParallel, attentionDataParallel, perNode)
