@@ -288,7 +288,10 @@ def test_kv_dtype_pair_the_transfer_cannot_carry_is_refused_in_place(
      "KVCacheDtypeMismatch"),
     (lambda s: s["model"]["architecture"].update(preset="kimi-k2", config={}), "CapacityPlanned",
      "InsufficientGPUMemory"),
-], ids=["kv-pair", "does-not-fit"])
+    (lambda s: (s["model"].update(architecture={"config": TINY_GQA}),
+                s["decode"].update(kernels={"decodeAttention": "flashmla"})), "PrecisionValid",
+     "DecodeAttentionUnsupported"),
+], ids=["kv-pair", "does-not-fit", "flashmla-on-gqa"])
 def test_specs_only_the_operator_can_judge(operator: Operator, kubectl: Any, namespace: str,
                                            cluster: Any, edit: Any, condition: str,
                                            reason: str) -> None:
