@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tessera.runtime.planner.decode_attention import choose_decode_attention
 from tessera.runtime.planner.errors import PlanError
 from tessera.runtime.planner.plan import (
     CAPACITY,
@@ -78,6 +79,8 @@ def plan_json(plan: DeploymentPlan, variants: dict[str, list[PhasePlan]],
         "findings": [vars(f) for f in plan.findings],
         "comparison": {phase: [p.to_status() for p in plans]
                        for phase, plans in variants.items()},
+        "decodeAttention": {phase: vars(choose_decode_attention(plan.architecture, p.spec))
+                            for phase, p in plan.phases.items()},
     }
 
 
@@ -113,6 +116,8 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
             rows.append((f"requests @ {plan.context_length:,}",
                          [f"{p.max_concurrent_requests:,}" for p in plans]))
         lines += _table(headers, rows)
+        attention = choose_decode_attention(plan.architecture, s)
+        lines.append(f"decode attention {attention.impl}: {attention.reason}")
         if chosen.handover_staging_bytes_per_gpu:
             lines.append(f"handover staging {chosen.handover_staging_bytes_per_gpu / 2**30:.2f} "
                          "GiB/GPU: this prefill converts its KV into the decode's KV dtype")

@@ -46,6 +46,9 @@ def test_table_compares_precisions_per_phase(tmp_path, capsys):
                 "requests @ 32k", "requests @ 128k", "requests @ 65,536"):
         assert row in out
     assert "CapacityPlanned: True (Fits)" in out
+    # the decode attention each phase gets, and why
+    assert "decode attention sglang: a prefill pool does not decode" in out
+    assert "decode attention flashmla: fastest measured for MLA with fp8_e4m3 KV at 8" in out
 
 
 def test_json_matches_the_plan(tmp_path, capsys):
@@ -58,6 +61,9 @@ def test_json_matches_the_plan(tmp_path, capsys):
     chosen = [v for v in doc["comparison"]["decode"]
               if v["precision"] == {"weights": "int4", "kvCache": "fp8_e4m3"}]
     assert chosen[0]["capacity"] == decode
+    assert doc["decodeAttention"]["decode"]["impl"] == "flashmla"
+    assert doc["decodeAttention"]["prefill"] == {"impl": "sglang",
+                                                 "reason": "a prefill pool does not decode"}
 
 
 def test_error_findings_exit_1(tmp_path, capsys):
