@@ -25,7 +25,10 @@ Conversions produce the bytes SGLang itself would have written into the destinat
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import cache, lru_cache
 
 import torch
@@ -35,6 +38,7 @@ import triton.language as tl
 E4M3_MAX = 448.0
 DSA_TILE = 128
 LAYOUT_KINDS = ("bf16", "fp8_e4m3", "fp8_e4m3_dsa")
+_INTERPRETER_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +262,23 @@ def convert_rows(
     current stream of their device."""
     src, dst = _layers(src), _layers(dst)
     _check(src, src_layout, dst, dst_layout, src_rows, dst_rows)
-    n, layers = src_rows.numel(), len(src)
-    if n == 0:
+    if src_rows.numel() == 0:
         return
+    # Triton's CPU interpreter keeps one launch's grid in global state, so transfer workers on
+    # several threads take turns there; compiled launches need no lock.
+    with _INTERPRETER_LOCK if os.environ.get("TRITON_INTERPRET") == "1" else nullcontext():
+        _launch(src, src_layout, dst, dst_layout, src_rows, dst_rows)
+
+
+def _launch(
+    src: list[torch.Tensor],
+    src_layout: MLAKVLayout,
+    dst: list[torch.Tensor],
+    dst_layout: MLAKVLayout,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    n, layers = src_rows.numel(), len(src)
     if src_layout == dst_layout:
         for s, d in zip(src, dst, strict=True):
             d[dst_rows] = s[src_rows]
