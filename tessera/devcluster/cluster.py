@@ -432,9 +432,9 @@ class DevCluster:
                                f"{result.stderr.strip()}; see {self._log('kwok')}")
         self._check_alive()
 
-    def _start_lws(self, pki: certs.Pki, deadline: float) -> None:
-        """LeaderWorkerSet: its CRDs, then its controller (which needs them served), then its
-        webhook configurations once its webhook server answers."""
+    def apply_lws_crds(self, timeout: float = 60.0) -> None:
+        """Apply LeaderWorkerSet's CRDs and wait until the API server serves them."""
+        deadline = time.monotonic() + timeout
         # Server-side: the CRD is too large for the last-applied annotation.
         self.kubectl("apply", "--server-side", "-f", str(self.binaries.lws_crds))
         # (`kubectl wait` fails at once on a CRD that has no conditions yet.)
@@ -442,8 +442,13 @@ class DevCluster:
                                                        "json").stdout)):
             if time.monotonic() > deadline:
                 raise ClusterError(f"LeaderWorkerSet's CRD {LWS_CRD} was not established in "
-                                   "time; see the kube-apiserver log")
+                                   f"{timeout:.0f} s; see the kube-apiserver log")
             time.sleep(0.1)
+
+    def _start_lws(self, pki: certs.Pki, deadline: float) -> None:
+        """LeaderWorkerSet: its CRDs, then its controller (which needs them served), then its
+        webhook configurations once its webhook server answers."""
+        self.apply_lws_crds(deadline - time.monotonic())
         port = free_port()
         self.layout.lws_config.write_text(yaml.safe_dump(lws_config(pki, port)))
         proc = self._spawn("lws-controller", lws_argv(self.binaries.lws_controller, self.layout))
