@@ -160,6 +160,18 @@ def test_s3_tree_arrives_byte_identical_and_a_rerun_fetches_nothing(
     assert "4 already verified here, 0.00 GiB to fetch" in again.stderr
 
 
+def _sizes(folder: Path) -> list[int]:
+    """Sizes of the files in `folder` now; a small file finished (moved away) between the
+    listing and its stat is simply gone."""
+    sizes = []
+    for path in folder.glob("*") if folder.exists() else []:
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:
+            pass
+    return sizes
+
+
 def test_s3_fetch_killed_midway_resumes_where_it_stopped(s3: S3Server, tree: Path,
                                                         tmp_path: Path) -> None:
     dest = tmp_path / "dest"
@@ -170,8 +182,7 @@ def test_s3_fetch_killed_midway_resumes_where_it_stopped(s3: S3Server, tree: Pat
     assert isinstance(proc, subprocess.Popen)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill once some of the large shard is on disk
-        sizes = [p.stat().st_size for p in partial_dir.glob("*")] if partial_dir.exists() else []
-        if any(s > 4 * MiB for s in sizes):
+        if any(s > 4 * MiB for s in _sizes(partial_dir)):
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
