@@ -1,14 +1,14 @@
 """The PD handover through SGLang's real Mooncake transfer, two pools per KV dtype, on loopback.
 
-Seven processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
+Nine processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
 server) over Mooncake's TCP transport on host memory: a BF16 and an FP8 prefill, a BF16 and an
-FP8 decode, a prefill without the plugin, and a DSA pair (BF16 prefill, FP8 decode), the others
-with the tessera handover plugin. Each decode takes requests from both prefills
-(BF16->FP8, FP8->BF16, BF16->BF16, FP8->FP8), in several chunks, and must hold exactly the bytes
-SGLang's own ``set_kv_buffer`` writes for the values the prefill holds. A request is aborted
-halfway; a prefill that does not convert is refused with a reason naming both sides; the decode
-serves the next request after each. The DSA decode holds SGLang's own packed FP8 latents and the
-prefill's indexer keys.
+FP8 decode, a prefill without the plugin, a DSA pair (BF16 prefill, FP8 decode) and the two
+ranks of an FP8 decode at TP 2, the others with the tessera handover plugin. Each decode takes
+requests from both prefills (BF16->FP8, FP8->BF16, BF16->BF16, FP8->FP8), in several chunks, and
+must hold exactly the bytes SGLang's own ``set_kv_buffer`` writes for the values the prefill
+holds. A request is aborted halfway; a prefill that does not convert is refused with a reason
+naming both sides; the decode serves the next request after each. The DSA decode holds SGLang's
+own packed FP8 latents and the prefill's indexer keys.
 """
 
 from __future__ import annotations
@@ -96,6 +96,13 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
     prefill_requests["bf16"].append(
         {"room": 23, "prefill_pages": _pages(60, 3), "pages_per_chunk": 2}
     )
+    # A decode at twice the prefill's tensor parallelism: both of its ranks take the request
+    # (MLA latents are replicated over the ranks), each converted for itself.
+    prefill_requests["bf16"].append(
+        {"room": 41, "prefill_pages": _pages(50, 5), "pages_per_chunk": 2}
+    )
+    tp2_request = {"room": 41, "bootstrap_addr": addr["bf16"], "prefill_pages": _pages(50, 5),
+                   "decode_pages": [9, 3, 12, 20, 7], "prefill_dtype": "bf16"}
     procs = []
     try:
         for name, dtype in (("bf16", "bf16"), ("fp8", "fp8_e4m3")):
@@ -126,13 +133,18 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"room": 32, "bootstrap_addr": addr["dsa"], "prefill_pages": [5, 9],
              "decode_pages": [10, 11], "prefill_dtype": "bf16"},
         ]
+        decode_requests["tp2-0"] = decode_requests["tp2-1"] = [tp2_request]
+        tp2_port = _free_port()
         for name, dtype, attention in (("bf16", "bf16", "mla"), ("fp8_e4m3", "fp8_e4m3", "mla"),
-                                       ("dsa", "fp8_e4m3", "dsa")):
+                                       ("dsa", "fp8_e4m3", "dsa"), ("tp2-0", "fp8_e4m3", "mla"),
+                                       ("tp2-1", "fp8_e4m3", "mla")):
             reports[name] = tmp / f"decode-{name}.report"
+            tp = {"tp_size": 2, "tp_rank": int(name[-1]), "bootstrap_port": tp2_port} if (
+                name.startswith("tp2")) else {"bootstrap_port": _free_port()}
             decodes[name] = _start(tmp, f"decode-{name}", {
                 "role": "decode", "attention": attention, "dtype": dtype, "plugin": True,
-                "model": str(model), "bootstrap_port": _free_port(),
-                "requests": decode_requests[name], "report": str(reports[name]),
+                "model": str(model), "requests": decode_requests[name],
+                "report": str(reports[name]), **tp,
             })
             procs.append(decodes[name])
         deadline = time.time() + 900
@@ -146,7 +158,8 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for name, path in reports.items():
             assert path.exists(), f"decode {name} wrote no report\n{logs}"
             for entry in json.loads(path.read_text()):
-                results[entry["room"]] = entry
+                key = f"{entry['room']}@{name}" if name.startswith("tp2") else entry["room"]
+                results[key] = entry
         return {"results": results, "logs": logs}
     finally:
         for proc in procs:
@@ -173,6 +186,14 @@ def test_dsa_pages_hold_sglangs_packed_fp8_and_the_prefills_indexer_keys(
     assert entry["status"] == SUCCESS, f"{entry}\n{handover['logs']}"
     assert entry["exact"], "decode latents differ from SGLang's own FP8 DSA write"
     assert entry["index_keys"], "decode indexer keys differ from the prefill's"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_decode_at_twice_the_prefills_tp_gets_sglangs_bytes_on_every_rank(
+        handover: dict, rank: int) -> None:
+    entry = handover["results"][f"41@tp2-{rank}"]
+    assert entry["status"] == SUCCESS, f"{entry}\n{handover['logs']}"
+    assert entry["exact"] and entry["aux"] == 41
 
 
 def test_aborted_request_fails_and_the_decode_goes_on(handover: dict) -> None:
