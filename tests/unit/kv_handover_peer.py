@@ -255,4 +255,5 @@ if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
     ATTENTION = spec.get("attention", "mla")
     PAGE, SLOTS, NOPE, ROPE = GEOMETRY[ATTENTION]
+    PAGE = spec.get("page", PAGE)
     (run_prefill if spec["role"] == "prefill" else run_decode)(spec)

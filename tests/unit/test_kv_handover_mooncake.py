@@ -1,14 +1,15 @@
 """The PD handover through SGLang's real Mooncake transfer, two pools per KV dtype, on loopback.
 
-Nine processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
+Ten processes run SGLang 0.5.23's own ``MooncakeKVManager`` (sender, receiver, bootstrap
 server) over Mooncake's TCP transport on host memory: a BF16 and an FP8 prefill, a BF16 and an
-FP8 decode, a prefill without the plugin, a DSA pair (BF16 prefill, FP8 decode) and the two
-ranks of an FP8 decode at TP 2, the others with the tessera handover plugin. Each decode takes
-requests from both prefills (BF16->FP8, FP8->BF16, BF16->BF16, FP8->FP8), in several chunks, and
-must hold exactly the bytes SGLang's own ``set_kv_buffer`` writes for the values the prefill
-holds. A request is aborted halfway; a prefill that does not convert is refused with a reason
-naming both sides; the decode serves the next request after each. The DSA decode holds SGLang's
-own packed FP8 latents and the prefill's indexer keys.
+FP8 decode, a prefill without the plugin, a DSA pair (BF16 prefill, FP8 decode), the two ranks
+of an FP8 decode at TP 2, and a decode on other pages; all but one with the tessera handover
+plugin. Each decode takes requests from both prefills (BF16->FP8, FP8->BF16, BF16->BF16,
+FP8->FP8), in several chunks, and must hold exactly the bytes SGLang's own ``set_kv_buffer``
+writes for the values the prefill holds. A request is aborted halfway; a prefill that does not
+convert, and prefills on other pages, are refused with a reason naming both sides; the decode
+serves the next request after each. The DSA decode holds SGLang's own packed FP8 latents and the
+prefill's indexer keys.
 """
 
 from __future__ import annotations
@@ -134,13 +135,24 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
              "decode_pages": [10, 11], "prefill_dtype": "bf16"},
         ]
         decode_requests["tp2-0"] = decode_requests["tp2-1"] = [tp2_request]
+        # A decode on 8-token pages: SGLang's own page-size check refuses both prefills; the
+        # plugin turns its raise (in the scheduler loop) into two failed requests.
+        decode_requests["page8"] = [
+            {"room": 51, "bootstrap_addr": addr["bf16"], "prefill_pages": [1],
+             "decode_pages": [1], "prefill_dtype": "bf16"},
+            {"room": 52, "bootstrap_addr": addr["fp8"], "prefill_pages": [1],
+             "decode_pages": [2], "prefill_dtype": "fp8_e4m3"},
+        ]
         tp2_port = _free_port()
         for name, dtype, attention in (("bf16", "bf16", "mla"), ("fp8_e4m3", "fp8_e4m3", "mla"),
                                        ("dsa", "fp8_e4m3", "dsa"), ("tp2-0", "fp8_e4m3", "mla"),
-                                       ("tp2-1", "fp8_e4m3", "mla")):
+                                       ("tp2-1", "fp8_e4m3", "mla"),
+                                       ("page8", "fp8_e4m3", "mla")):
             reports[name] = tmp / f"decode-{name}.report"
             tp = {"tp_size": 2, "tp_rank": int(name[-1]), "bootstrap_port": tp2_port} if (
                 name.startswith("tp2")) else {"bootstrap_port": _free_port()}
+            if name == "page8":
+                tp["page"] = 8
             decodes[name] = _start(tmp, f"decode-{name}", {
                 "role": "decode", "attention": attention, "dtype": dtype, "plugin": True,
                 "model": str(model), "requests": decode_requests[name],
@@ -201,6 +213,15 @@ def test_aborted_request_fails_and_the_decode_goes_on(handover: dict) -> None:
     assert entry["status"] == FAILED
     assert "Aborted" in (entry["reason"] or "")
     assert handover["results"][23]["status"] == SUCCESS
+
+
+@pytest.mark.parametrize("room", [51, 52])
+def test_sglangs_own_pairing_errors_fail_the_request_not_the_decode(
+        handover: dict, room: int) -> None:
+    entry = handover["results"][room]
+    assert entry["status"] == FAILED
+    reason = entry["reason"] or ""
+    assert "PD pairing refused (prefill 127.0.0.1:" in reason and "Page size mismatch" in reason
 
 
 def test_prefill_without_conversion_is_refused_by_name(handover: dict) -> None:
