@@ -215,7 +215,11 @@ def test_example_applies_converges_and_reports(operator: Operator, kubectl: Any,
                                 "involvedObject.kind=ModelDeployment", "-o", "json").stdout)
     reasons = [e["reason"] for e in events["items"]]
     assert "AllReady" in reasons  # posted when Ready turned True
-    assert len(reasons) == len(set(reasons))  # one event per change, not one per reconcile
+    # One event per condition change, not one per reconcile. Ready and Degraded may carry the
+    # same reason (a busy shared cluster can leave the pods Unschedulable for a moment), so an
+    # event is told apart by its condition too ("Ready is False: ...").
+    changes = [(e["reason"], e["message"].partition(" is ")[0]) for e in events["items"]]
+    assert len(changes) == len(set(changes)), changes
 
     # Every pod is labelled with its deployment and phase, and gets a whole H200 node.
     pods = json.loads(kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
@@ -257,9 +261,11 @@ def test_decode_change_rolls_only_decode_pods(operator: Operator, kubectl: Any,
     poll("decode pods replaced and Ready", rolled, timeout=90)
     md = get_md(kubectl, namespace, "roll")
     assert pod_uids(kubectl, namespace, "prefill") == prefill
-    # Both pools kept serving while the decode pool rolled (Ready itself is False while any
-    # replica is not yet updated: that is the operator's definition of Ready).
-    assert all(p >= 1 and d >= 2 for p, d in serving), serving
+    # Both pools kept serving while the decode pool rolled: the decode Deployment replaces one
+    # pod at a time (maxUnavailable 1, maxSurge 0: no spare GPU node is assumed), so at least
+    # one of its two pods was ready at every look. Ready itself is False while any replica is
+    # not yet updated: that is the operator's definition of Ready.
+    assert all(p >= 1 and d >= 1 for p, d in serving), serving
     assert md["status"]["decode"]["precision"]["kvCache"] == "bf16"
     assert md["status"]["prefill"]["precision"]["kvCache"] == "fp8_e4m3"
 
