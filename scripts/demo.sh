@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-python3}
 export PYTHONSAFEPATH=1
 SECONDS=0
 
-bash scripts/setup.sh
+bash scripts/setup.sh demo
 "$PYTHON" -m tessera demo up "$@"
 
 echo

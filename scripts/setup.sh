@@ -9,10 +9,18 @@ PYTHON=${PYTHON:-python3}
 # from the editable install instead.
 export PYTHONSAFEPATH=1
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --quiet)
+# `setup.sh demo` sets up what `make demo` runs; `setup.sh` (or `setup.sh test`) adds what only
+# the tests need: the Debian libraries of the transfer engine, promtool, the loopback stores.
+MODE=${1:-test}
+if [[ $MODE != test && $MODE != demo ]]; then
+  echo "usage: setup.sh [test|demo]" >&2
+  exit 2
+fi
 
 # The Mooncake transfer engine's TCP transport (the PD handover tests) needs these two libraries
 # to import, even without RDMA hardware.
-if command -v apt-get >/dev/null && ! dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1; then
+if [[ $MODE == test ]] && command -v apt-get >/dev/null \
+    && ! dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1; then
   echo "== debian packages: libibverbs1 librdmacm1"
   apt-get install -y -q libibverbs1 librdmacm1 >/dev/null \
     || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 >/dev/null; }
@@ -28,6 +36,10 @@ if [[ -f scripts/sglang-no-deps.txt ]]; then
 fi
 
 echo "== control-plane binaries (cold build: tens of minutes; then cached)"
+if [[ $MODE == demo ]]; then
+  "$PYTHON" -m tessera dev-cluster build --cluster-only
+  exit 0
+fi
 "$PYTHON" -m tessera dev-cluster build
 
 echo "== weight-fetch test servers: S3 and GCS (Go module proxy), olah's venv (then cached)"

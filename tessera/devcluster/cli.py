@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build = actions.add_parser("build", help="build and cache the control-plane binaries "
                                "(and promtool, for the tests)")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.add_argument("--cluster-only", action="store_true",
+                       help="only what the cluster runs (no promtool; the demo needs none)")
     up = actions.add_parser("up", help="start the cluster (or report the one already up)")
     up.add_argument("--pool", action="append", default=[], metavar="NAME=COUNT[,RES=N]",
                     help="a node pool of simulated H200 nodes, optionally advertising RDMA "
@@ -54,7 +56,8 @@ def _build(args: argparse.Namespace, state_dir: Path) -> int:
     for name, path in vars(binaries).items():
         print(f"{name:24} {path}")
     # Not part of the cluster: the tests check the chart's alert rules and dashboard with it.
-    print(f"{'promtool':24} {ensure_promtool(force=args.force)}")
+    if not args.cluster_only:
+        print(f"{'promtool':24} {ensure_promtool(force=args.force)}")
     return 0
 
 
