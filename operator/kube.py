@@ -67,6 +67,17 @@ def new_api_client(retries: bool = True) -> kubernetes.client.ApiClient:
     return client
 
 
+def _refused(e: kubernetes.client.ApiException, kind: str, name: str) -> Exception:
+    """What a failed write to `kind` `name` raises: NamespaceGone when its namespace is going,
+    RejectedError when the API server says no, else the error itself (a passing failure)."""
+    said = api_message(e.body, str(e.reason))
+    if namespace_gone(e.body):
+        return NamespaceGone(said)
+    if e.status is None or not is_refusal(e.status):
+        return e
+    return RejectedError(Rejection(kind, name, e.status, said))
+
+
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self._client = client
@@ -92,20 +103,16 @@ class Kube:
                                 [("fieldManager", c.FIELD_MANAGER), ("force", "true")],
                                 "application/apply-patch+yaml")
         except kubernetes.client.ApiException as e:
-            if namespace_gone(e.body):
-                raise NamespaceGone(api_message(e.body, str(e.reason))) from None
-            if e.status is None or not is_refusal(e.status):
-                raise
-            said = api_message(e.body, str(e.reason))
-            rejection = Rejection(obj["kind"], obj["metadata"]["name"], e.status, said)
-            raise RejectedError(rejection) from None
+            raise _refused(e, obj["kind"], obj["metadata"]["name"]) from None
 
     def delete(self, obj: Obj) -> None:
+        """Raises RejectedError, quoting the API server, when it refuses; one already gone
+        is deleted."""
         try:
             self.request("DELETE", _path(obj), {"propagationPolicy": "Background"})
         except kubernetes.client.ApiException as e:
             if e.status != 404:
-                raise
+                raise _refused(e, obj["kind"], obj["metadata"]["name"]) from None
 
     def serves(self, api_version: str, plural: str) -> bool:
         """Whether the API server serves `plural` in `api_version` (discovery; a cluster
@@ -134,7 +141,8 @@ class Kube:
         return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
 
     def patch_status(self, md: Obj, patch: Obj) -> Obj | None:
-        """The patched ModelDeployment; None when it is gone (deleted since it was read)."""
+        """The patched ModelDeployment; None when it is gone (deleted since it was read).
+        Raises RejectedError, quoting the API server, when it refuses the write."""
         meta = md["metadata"]
         path = (f"{_collection(c.API_VERSION_FULL, c.PLURAL, meta['namespace'])}/"
                 f"{meta['name']}/status")
@@ -143,7 +151,7 @@ class Kube:
                 "application/merge-patch+json"))
         except kubernetes.client.ApiException as e:
             if e.status != 404:
-                raise
+                raise _refused(e, c.KIND, meta["name"]) from None
             return None
 
     def post_event(self, md: Obj, type_: str, reason: str, message: str) -> None:

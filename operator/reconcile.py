@@ -93,6 +93,9 @@ class Store:
             return [(ns, name) for kind, ns, name in self.objects if kind == c.KIND]
 
 
+# The reason of the event that says the API server refused a status write.
+STATUS_REJECTED = "StatusRejected"
+
 # Owned objects the operator reads but never applies or prunes.
 _OBSERVED_ONLY = ("Event", "Pod")
 
@@ -250,6 +253,7 @@ class Reconciler:
         self._dirty: set[tuple[str, str]] = set()  # to go round again when that run ends
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
         self._backoffs: dict[str, Backoff] = {}  # uid -> the rejected apply being retried
+        self._status_backoffs: dict[str, Backoff] = {}  # uid -> the refused status write
         self._served: dict[str, bool] = {}  # optional kind -> does the cluster serve it
 
     def _intent(self, md: Obj) -> Intent:
@@ -276,6 +280,7 @@ class Reconciler:
         """Drop what is cached for a deleted deployment."""
         self._intents.pop(uid, None)
         self._backoffs.pop(uid, None)
+        self._status_backoffs.pop(uid, None)
 
     def reconcile(self, namespace: str, name: str) -> Decision | None:
         """Reconcile one deployment; if it is already being reconciled, have that run go
@@ -314,10 +319,10 @@ class Reconciler:
             return decision
 
     def _decide_and_apply(self, md: Obj) -> Decision:
-        """decide(), then apply what it asks for. Children the API server rejects are
-        reported in status (decided again with them) and retried with exponential backoff;
-        each retry logs one line. A rejected generation applies nothing until its retry is
-        due; an edited spec (a new generation) is tried at once."""
+        """decide(), then apply and prune what it asks for. Children the API server refuses
+        to apply or delete are reported in status (decided again with them) and retried with
+        exponential backoff; each retry logs one line. A rejected generation writes no
+        children until its retry is due; an edited spec (a new generation) is tried at once."""
         meta = md["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         generation = int(meta.get("generation", 0))
@@ -329,14 +334,15 @@ class Reconciler:
         unserved = self._unserved(intent)
         decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected,
                           unserved)
-        if not decision.apply or (held is not None and self._clock() < held.retry_at):
-            return replace(decision, apply=[])
+        if not (decision.apply or decision.prune) or (
+                held is not None and self._clock() < held.retry_at):
+            return replace(decision, apply=[], prune=[])
         try:
-            rejections = self._apply(decision.apply)
+            rejections = self._apply(decision.apply) + self._prune(decision.prune)
         except NamespaceGone:
             log.debug("%s/%s: its namespace is being deleted; nothing more is applied",
                       namespace, name)
-            return replace(decision, apply=[])
+            return replace(decision, apply=[], prune=[])
         if not rejections:
             self._backoffs.pop(uid, None)
         else:
@@ -349,7 +355,8 @@ class Reconciler:
             self._schedule(delay, lambda: self.reconcile(namespace, name))
         if rejections != rejected:  # status reports what this apply found
             return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
-                                  rejections, self._unserved(intent)), apply=decision.apply)
+                                  rejections, self._unserved(intent)),
+                           apply=decision.apply, prune=decision.prune)
         return decision
 
     def _apply(self, objs: list[Obj]) -> list[Rejection]:
@@ -373,6 +380,22 @@ class Reconciler:
                      objs[0]["metadata"]["labels"][c.LABEL_DEPLOYMENT], applied)
         return rejections
 
+    def _prune(self, objs: list[Obj]) -> list[Rejection]:
+        """Delete what is no longer wanted; returns the deletions the API server refused."""
+        rejections = []
+        for obj in objs:
+            try:
+                self.kube.delete(obj)
+            except RejectedError as e:
+                rejections.append(e.rejection)
+                continue
+            self.store.drop(obj)
+            metrics.WRITES.labels("prune").inc()
+        if pruned := len(objs) - len(rejections):
+            log.info("%s/%s: pruned %d", objs[0]["metadata"]["namespace"],
+                     objs[0]["metadata"]["labels"][c.LABEL_DEPLOYMENT], pruned)
+        return rejections
+
     def _try_apply(self, obj: Obj) -> Obj | Rejection:
         try:
             return self.kube.apply(obj)
@@ -391,13 +414,31 @@ class Reconciler:
             return _not_served(obj)
 
     def _carry_out(self, md: Obj, decision: Decision) -> None:
-        """Prune, write status and post events (applying happened in _decide_and_apply)."""
-        for obj in decision.prune:
-            self.kube.delete(obj)
-            self.store.drop(obj)
-            metrics.WRITES.labels("prune").inc()
+        """Write status and post events (children were written in _decide_and_apply). A
+        status write the API server refuses is retried with backoff, its events held back
+        until it is written (so each is posted once), and said in one line and an event."""
+        meta = md["metadata"]
         if decision.status_patch is not None:
-            written = self.kube.patch_status(md, decision.status_patch)
+            held = self._status_backoffs.get(meta["uid"])
+            if held is not None and self._clock() < held.retry_at:
+                return
+            try:
+                written = self.kube.patch_status(md, decision.status_patch)
+            except NamespaceGone:
+                return  # going with its namespace
+            except RejectedError as e:
+                attempts = held.attempts + 1 if held else 1
+                delay = backoff_seconds(attempts)
+                self._status_backoffs[meta["uid"]] = Backoff(
+                    int(meta.get("generation", 0)), [e.rejection], attempts,
+                    self._clock() + delay)
+                said = f"status not written ({e.rejection.code}): {e.rejection.message}"
+                log.warning("%s/%s: %s; retry %d in %gs", meta["namespace"], meta["name"],
+                            said.replace("\n", " "), attempts, delay)
+                self.kube.post_event(md, "Warning", STATUS_REJECTED, said)
+                self._schedule(delay, lambda: self.reconcile(meta["namespace"], meta["name"]))
+                return
+            self._status_backoffs.pop(meta["uid"], None)
             metrics.WRITES.labels("status").inc()
             if written is None:
                 return  # deleted meanwhile: its DELETED event drops it from the store
@@ -406,9 +447,6 @@ class Reconciler:
             self.kube.post_event(md, event_type(cond), cond["reason"],
                                  f"{cond['type']} is {cond['status']}: {cond['message']}")
             metrics.WRITES.labels("event").inc()
-        if decision.prune:
-            log.info("%s/%s: pruned %d", md["metadata"]["namespace"], md["metadata"]["name"],
-                     len(decision.prune))
 
     def resync(self) -> int:
         """Reconcile every known deployment; returns how many made any request."""

@@ -237,3 +237,20 @@ def test_an_engine_that_exits_is_named_with_its_termination_message(
     assert ready["message"] == degraded["message"]
     print(kubectl("describe", "md", "crash", "-n", namespace).stdout)
     quiet_log(operator, log_offset)
+
+
+def test_a_namespace_deleted_mid_reconcile_logs_no_traceback(
+        operator: Operator, kubectl: Any, namespace: str, log_offset: int) -> None:
+    """Its children's deletions, creates refused as the namespace terminates, status writes
+    and events for deployments being deleted: none of it is an error."""
+    apply(kubectl, namespace, tiny("settled"))
+    wait_condition(kubectl, namespace, "settled", "Ready", "True", "AllReady", timeout=90)
+    apply(kubectl, namespace, tiny("fresh"))  # still being applied when the namespace goes
+    kubectl("delete", "namespace", namespace, "--wait=false")
+    poll("the namespace gone", lambda: kubectl("get", "namespace", namespace,
+                                               check=False).returncode != 0, timeout=120)
+    # And a resync after it is gone.
+    gone_at = len(operator.log.read_bytes())
+    poll("a resync", lambda: "resync:" in operator.text(gone_at), timeout=30)
+    text = quiet_log(operator, log_offset)
+    assert f"{namespace}/" in text  # the operator did see and act on this namespace

@@ -218,6 +218,11 @@ class RejectingKube:
         self.refuse = refuse
         self.applied: list[tuple[str, str]] = []
         self.status: dict[str, Any] = {}
+        # What a delete or a status write raises instead (one of kube._refused's answers).
+        self.refuse_delete: Exception | None = None
+        self.refuse_status: Exception | None = None
+        self.deleted: list[tuple[str, str]] = []
+        self.events: list[tuple[str, str]] = []  # (type, reason)
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         from tessera.operator.refusals import RejectedError
@@ -227,13 +232,20 @@ class RejectingKube:
             raise RejectedError(Rejection(obj["kind"], name, 422, "denied by policy x"))
         return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "5"}}
 
+    def delete(self, obj: dict[str, Any]) -> None:
+        if self.refuse_delete is not None:
+            raise self.refuse_delete
+        self.deleted.append((obj["kind"], obj["metadata"]["name"]))
+
     def patch_status(self, md: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        if self.refuse_status is not None:
+            raise self.refuse_status
         self.status = {k: v for k, v in {**self.status, **patch}.items() if v is not None}
         return {**md, "status": self.status,
                 "metadata": {**md["metadata"], "resourceVersion": str(len(self.applied) + 9)}}
 
-    def post_event(self, *args: Any) -> None:
-        pass
+    def post_event(self, md: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason))
 
 
 def test_a_rejected_child_is_reported_retried_with_backoff_and_cleared() -> None:
@@ -280,3 +292,151 @@ def test_a_rejected_child_is_reported_retried_with_backoff_and_cleared() -> None
     conds = {x["type"]: x for x in kube.status["conditions"]}
     assert conds["Degraded"]["reason"] != CHILD_REJECTED
     assert deployments <= set(kube.applied)
+
+
+def _reconciler(kube: RejectingKube, now: list[float], calls: list[float]) -> Any:
+    """The kimi-k2 example in namespace llm, reconciled against `kube` on a fake clock."""
+    from pathlib import Path
+
+    import yaml
+    from tessera.operator.reconcile import Reconciler, Store
+    from tessera.operator.render import render_configs
+
+    example = Path(__file__).resolve().parents[2] / "examples/01-kimi-k2/modeldeployment.yaml"
+    md = yaml.safe_load(example.read_text())
+    md["metadata"].update(namespace="llm", uid="uid-1", generation=1, resourceVersion="1")
+    store = Store()
+    store.put(md)
+    return Reconciler(kube, store, render_configs,  # type: ignore[arg-type]
+                      clock=lambda: now[0], schedule=lambda d, _: calls.append(d))
+
+
+UNWANTED = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "kimi-k2-old", "namespace": "llm", "resourceVersion": "2",
+                         "labels": {c.LABEL_DEPLOYMENT: "kimi-k2",
+                                    c.LABEL_MANAGED_BY: c.MANAGED_BY}}}
+
+
+def test_a_refused_prune_is_reported_retried_with_backoff_and_cleared(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from tessera.operator.refusals import RejectedError
+    kube, now, calls = RejectingKube(None), [100.0], []
+    reconciler = _reconciler(kube, now, calls)
+    reconciler.reconcile("llm", "kimi-k2")  # converged
+    reconciler.store.put(UNWANTED)
+    kube.refuse_delete = RejectedError(Rejection("ConfigMap", "kimi-k2-old", 403,
+                                                 "cannot delete: held by policy y"))
+    with caplog.at_level("INFO"):
+        reconciler.reconcile("llm", "kimi-k2")
+    degraded = {x["type"]: x for x in kube.status["conditions"]}["Degraded"]
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True", CHILD_REJECTED, "ConfigMap kimi-k2-old was rejected by the API server (403): "
+                                "cannot delete: held by policy y")
+    assert calls == [2.0] and not any(r.exc_info for r in caplog.records)
+    assert [r.getMessage() for r in caplog.records if r.levelname != "INFO"] == [
+        "llm/kimi-k2: ConfigMap kimi-k2-old was rejected by the API server (403): cannot "
+        "delete: held by policy y; retry 1 in 2s"]
+    # Not due: not tried again. Due and allowed: deleted, and the condition clears.
+    reconciler.reconcile("llm", "kimi-k2")
+    assert calls == [2.0] and kube.deleted == []
+    kube.refuse_delete, now[0] = None, now[0] + 2.0
+    reconciler.reconcile("llm", "kimi-k2")
+    assert kube.deleted == [("ConfigMap", "kimi-k2-old")]
+    degraded = {x["type"]: x for x in kube.status["conditions"]}["Degraded"]
+    assert degraded["reason"] != CHILD_REJECTED
+
+
+def test_a_refused_status_write_logs_one_line_posts_an_event_and_backs_off(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from tessera.operator.reconcile import STATUS_REJECTED
+    from tessera.operator.refusals import RejectedError
+    kube, now, calls = RejectingKube(None), [100.0], []
+    kube.refuse_status = RejectedError(Rejection(c.KIND, "kimi-k2", 422,
+                                                 "status.conditions: Too many"))
+    reconciler = _reconciler(kube, now, calls)
+    with caplog.at_level("WARNING"):
+        reconciler.reconcile("llm", "kimi-k2")
+        reconciler.reconcile("llm", "kimi-k2")  # not due yet: not tried, not logged
+    assert [r.getMessage() for r in caplog.records] == [
+        "llm/kimi-k2: status not written (422): status.conditions: Too many; retry 1 in 2s"]
+    assert not caplog.records[0].exc_info
+    # Reported the one way left (an event); the condition changes wait for the status.
+    assert kube.events == [("Warning", STATUS_REJECTED)] and calls == [2.0]
+    now[0] += 2.0
+    reconciler.reconcile("llm", "kimi-k2")
+    assert calls == [2.0, 4.0]
+    kube.refuse_status, now[0] = None, now[0] + 4.0
+    reconciler.reconcile("llm", "kimi-k2")
+    assert kube.status["conditions"]
+    assert len(kube.events) > 3 and kube.events.count(("Warning", STATUS_REJECTED)) == 2
+
+
+@pytest.mark.parametrize("where", ["apply", "delete", "status"])
+def test_a_namespace_being_deleted_is_neither_reported_nor_retried(
+        where: str, caplog: pytest.LogCaptureFixture) -> None:
+    from tessera.operator.refusals import NamespaceGone
+    kube, now, calls = RejectingKube(None), [100.0], []
+    reconciler = _reconciler(kube, now, calls)
+    reconciler.reconcile("llm", "kimi-k2")  # converged
+    reconciler.store.put(UNWANTED)
+    reconciler.store.drop({"kind": "Service", "metadata": {"namespace": "llm",
+                                                            "name": "kimi-k2-router"}})
+    gone = NamespaceGone("unable to create new content in namespace llm because it is being "
+                         "terminated")
+    if where == "apply":
+        kube.refuse = ("Service", "kimi-k2-router")
+        kube.apply = lambda obj: (_ for _ in ()).throw(gone)  # type: ignore[method-assign]
+    else:
+        setattr(kube, f"refuse_{where}", gone)
+    before, posted = dict(kube.status), len(kube.events)
+    with caplog.at_level("INFO"):
+        reconciler.reconcile("llm", "kimi-k2")
+    assert calls == [] and not [r for r in caplog.records if r.levelname != "INFO"]
+    assert not any(x["reason"] == CHILD_REJECTED for x in kube.status["conditions"])
+    if where == "status":  # tried, not written, and so nothing announced
+        assert kube.status == before and len(kube.events) == posted
+
+
+def _api_error(code: int, body: dict[str, Any] | None) -> Any:
+    from kubernetes.client import ApiException
+    error = ApiException(status=code, reason="Refused")
+    error.body = json.dumps({"kind": "Status", "code": code, **body}) if body else None
+    return error
+
+
+TERMINATING = {"reason": "Forbidden", "message": "namespace llm is being terminated",
+               "details": {"causes": [{"reason": "NamespaceTerminating"}]}}
+DENIED = {"reason": "Forbidden", "message": "denied by policy z"}
+
+
+@pytest.mark.parametrize("call", ["apply", "delete", "patch_status"])
+@pytest.mark.parametrize("code, body, raised", [
+    (403, TERMINATING, "NamespaceGone"),
+    (404, {"reason": "NotFound", "details": {"kind": "namespaces", "name": "llm"}},
+     "NamespaceGone"),
+    (403, DENIED, "RejectedError"),
+    (422, {"reason": "Invalid", "message": "spec.x: Invalid value"}, "RejectedError"),
+    (500, {"reason": "InternalError"}, "ApiException"),
+    (429, None, "ApiException"),
+    (404, {"reason": "NotFound", "details": {"kind": "configmaps"}}, "ApiException"),
+])
+def test_the_adapter_turns_api_errors_into_what_the_reconciler_handles(
+        call: str, code: int, body: dict[str, Any] | None, raised: str) -> None:
+    from tessera.operator.kube import Kube
+    kube = Kube.__new__(Kube)
+    error = _api_error(code, body)
+
+    def request(*args: Any, **kwargs: Any) -> Any:
+        raise error
+    kube.request = request  # type: ignore[method-assign]
+    obj = {**UNWANTED, "metadata": {**UNWANTED["metadata"], "uid": "u"}}
+    if code == 404 and call != "apply":  # what is deleted or written to is gone already
+        assert getattr(kube, call)(*([obj, {}] if call == "patch_status" else [obj])) is None
+        return
+    with pytest.raises(Exception) as caught:
+        getattr(kube, call)(*([obj, {}] if call == "patch_status" else [obj]))
+    assert type(caught.value).__name__ == raised
+    if raised == "RejectedError":
+        rejection = caught.value.rejection  # type: ignore[attr-defined]
+        assert rejection.code == code and rejection.message == body["message"]  # type: ignore[index]
+        assert rejection.kind == (c.KIND if call == "patch_status" else "ConfigMap")
