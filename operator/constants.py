@@ -108,7 +108,7 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
     # A phase whose replica spans nodes (children.engine_workload).
     ("leaderworkerset.x-k8s.io", LWS_PLURAL, ("get", "list", "watch", "create", "patch", "delete")),
-    # The weight conversion Job (weights.convertFrom).
+    # The weight fetch and conversion Jobs (weights.cache, weights.convertFrom).
     ("batch", "jobs", ("get", "list", "watch", "create", "patch", "delete")),
     ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
     ("rbac.authorization.k8s.io", "roles", ("get", "list", "watch", "create", "patch", "delete")),

@@ -448,9 +448,18 @@ def test_pod_monitor_scrapes_the_engine_pods_the_operator_makes_with_their_label
         ("PodMonitor", "tessera-operator-engines")]["spec"]
     (endpoint,) = monitor["podMetricsEndpoints"]
     # Prometheus turns a pod label into __meta_kubernetes_pod_label_<name, non-word chars as _>.
-    meta = {f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', label)}": target
-            for label, target in ((c.LABEL_DEPLOYMENT, "deployment"), (c.LABEL_PHASE, "phase"))}
-    assert {r["sourceLabels"][0]: r["targetLabel"] for r in endpoint["relabelings"]} == meta
+    def meta(label: str) -> str:
+        return f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', label)}"
+
+    copied = {meta(c.LABEL_DEPLOYMENT): "deployment", meta(c.LABEL_PHASE): "phase"}
+    assert {r["sourceLabels"][0]: r["targetLabel"] for r in endpoint["relabelings"]
+            if "targetLabel" in r} == copied
+    # LWS workers (index 1 and up) serve no metrics; leaders and one-node pods are kept.
+    (drop,) = [r for r in endpoint["relabelings"] if r.get("action") == "drop"]
+    assert drop["sourceLabels"] == [meta(c.LWS_LABEL_WORKER_INDEX)]
+    dropped = re.compile(drop["regex"])
+    assert [bool(dropped.fullmatch(v)) for v in ("", "0", "1", "3", "12")] == [
+        False, False, True, True, True]
     assert monitor["namespaceSelector"] == {"any": True}
 
     md = yaml.safe_load((ROOT / "examples" / "01-kimi-k2" / "modeldeployment.yaml").read_text())
