@@ -268,6 +268,13 @@ def test_without_lws_a_multi_node_spec_says_so_and_one_node_keeps_serving(
     module: it removes the CRD from the shared cluster and puts it back. The module's operator
     is stopped first: kopf's watch of a CRD deleted under it fails (docs/operator.md)."""
     operator.stop()
+    # The TP-16 replica below needs all four wide nodes: wait for the pods of earlier tests'
+    # namespaces (deleted without waiting) to leave them.
+    def wide_nodes_free() -> bool:
+        held = json.loads(kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
+        return not [p for p in held if p["spec"].get("nodeName") in wide_pool]
+
+    poll("the wide nodes free of earlier tests' pods", wide_nodes_free, READY_TIMEOUT_S)
     crd = "leaderworkersets.leaderworkerset.x-k8s.io"
     kubectl("delete", "crd", crd, "--wait=true", timeout=120)
     with socket.socket() as probe:
