@@ -327,6 +327,11 @@ def test_specs_only_the_operator_can_judge(operator: Operator, kubectl: Any, nam
 
 def test_resync_with_nothing_changed_writes_nothing(operator: Operator, kubectl: Any,
                                                     namespace: str, cluster: Any) -> None:
+    # Earlier modules' namespaces may still be terminating, their deployments' finalizers left
+    # for this operator to remove: those are writes too. Let them finish first, so that "no
+    # writes in any namespace" below speaks of converged deployments only.
+    poll("no namespace left terminating", lambda: "Terminating" not in kubectl(
+        "get", "namespaces", "--no-headers").stdout, timeout=120)
     since = audit_offset(cluster)
     apply(kubectl, namespace, tiny("quiet"))
     wait_ready(kubectl, namespace, "quiet")
