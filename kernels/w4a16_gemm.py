@@ -416,12 +416,12 @@ def _gemv_load_words(
 
 @triton.jit
 def _gemv_step(
-    acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total, stride_xm,
-    stride_sk, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_R: tl.constexpr,
+    acc, words, step, x_row, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total, stride_sk,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_R: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` plus K step ``step``'s words (loaded by the caller) times token ``m``'s
-    activations and the scales."""
+    """``acc`` plus K step ``step``'s words (loaded by the caller) times the activations at
+    ``x_row`` and the scales."""
     rows = step * BLOCK_R + offs_r
     r_mask = rows < rows_total
     if EVEN_K:  # no masks: a masked load zeroes its registers first
@@ -439,39 +439,32 @@ def _gemv_step(
         zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
     else:
         zero = tl.full((1, offs_n.shape[0]), 8.0, tl.float32)
-    x_base = x_ptr + m * stride_xm + rows[:, None] * 8
+    x_base = x_row + rows[:, None] * 8
     return acc + _gemv_word_sums(words, x_base, r_mask[:, None], zero, HAS_ZEROS, FAST) * scale
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, split_k,
-    stride_xm, stride_qk, stride_sk, stride_om,
+@triton.jit
+def _gemv_sum(
+    x_row, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
-    """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
-    of ``split_k`` K parts, without tensor cores: per step a ``[BLOCK_R, BLOCK_N]`` tile of
-    words is decoded in the registers it was loaded into (no layout change), each word's eight
-    products summed by :func:`_gemv_word_sums` and multiplied by its scale into an fp32
-    accumulator of the same shape, reduced over its rows once at the end. The tokens of a
-    column tile are neighbouring programs, so all but the first read it from L2.
+    """fp32 ``[BLOCK_N]``: the activations at ``x_row`` times the dequantized columns
+    ``offs_n``, over this program's part (``program_id(1)`` of ``split_k``) of K, on CUDA cores:
+    per step a ``[BLOCK_R, BLOCK_N]`` tile of words is decoded in the registers it was loaded
+    into (no layout change), each word's eight products summed by :func:`_gemv_word_sums` and
+    multiplied by its scale into an fp32 accumulator of the same shape, reduced over its rows
+    once at the end.
 
     Triton pipelines only loads that feed a dot, so the next step's words are loaded into
     registers before this step's are decoded (the last step reloads its own). Loads pipelined
     through shared memory instead (``tl.range(..., num_stages=3)``) measured slower on the
     H200 (27.6 against 26.4 us, bench/results/w4a16_gemm_v5.json)."""
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    m = pid % M
-    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
     rows_total = K // 8
     steps = tl.cdiv(rows_total, BLOCK_R)
     per_split = tl.cdiv(steps, split_k)
-    step_begin = pid_k * per_split
+    step_begin = tl.program_id(1) * per_split
     step_end = tl.minimum(steps, step_begin + per_split)
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
     words = _gemv_load_words(
@@ -484,11 +477,33 @@ def _w4a16_gemv_kernel(
             stride_qk, BLOCK_R, EVEN_K, EVEN_N,
         )  # fmt: skip
         acc = _gemv_step(
-            acc, words, step, m, x_ptr, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
-            stride_xm, stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
+            acc, words, step, x_row, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
+            stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
         )  # fmt: skip
         words = next_words
-    res = tl.sum(acc, axis=0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, split_k,
+    stride_xm, stride_qk, stride_sk, stride_om,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
+    of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
+    tile are neighbouring programs, so all but the first read it from L2."""
+    pid = tl.program_id(0)
+    m = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    res = _gemv_sum(
+        x_ptr + m * stride_xm, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk,
+        stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
+    )  # fmt: skip
     out = out_ptr + m * stride_om + offs_n
     if SPLIT:
         tl.atomic_add(out, res, mask=n_mask, sem="relaxed")

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
-from .w4a16_gemm import _w4a16_accumulate, _x_planes, interpreted, tune_cached
+from .w4a16_gemm import _gemv_sum, _split_counts, _w4a16_accumulate, _x_planes, interpreted, tune_cached
 
 __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", "moe_gemm"]
 
@@ -164,6 +164,42 @@ def _moe_gemm_kernel(
         tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "split_k"])
+def _moe_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
+    N, K, num_pairs, num_blocks, rows_per_x, split_k,
+    stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """fp32 out[pair, N tile] (+)= x[pair // rows_per_x] @ W_e (x routing weight) for one pair
+    (expert blocks of one row), one column tile and one of ``split_k`` K parts, on CUDA cores:
+    the dense GEMV's K loop (:func:`_gemv_sum`) on the pair's expert, with no tensor-core tile
+    padded to 8 rows for one. The pairs of a column tile are neighbouring programs in expert
+    order, so pairs that share an expert read its tile from L2."""
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:  # a block past the last used one
+        return
+    pair = tl.load(pair_ids_ptr + block).to(tl.int64)
+    offs_n = (pid // num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    res = _gemv_sum(
+        x_ptr + (pair // rows_per_x) * stride_xm, w_ptr + expert * stride_we,
+        s_ptr + expert * stride_se, z_ptr + expert * stride_se, offs_n, n_mask, K, split_k,
+        stride_wk, stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
+    )  # fmt: skip
+    if MUL_ROUTING:
+        res = res * tl.load(routing_ptr + pair).to(tl.float32)
+    out = out_ptr + pair * stride_om + offs_n
+    if SPLIT:
+        tl.atomic_add(out, res, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(out, res, mask=n_mask)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "slots", "num_blocks"])
 def _align_kernel(
     ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, slots, num_blocks,
@@ -218,6 +254,9 @@ class MoeConfig:
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
     swap: bool = False  # weights as the dot's first operand (8-row expert blocks possible)
     split_k: int = 1  # K parts added with fp32 atomics (SiLU-and-mul then runs as its own launch)
+    # "triton": tensor-core expert blocks; "gemv": one pair a program on CUDA cores (block_m 1,
+    # block_k / 8 word rows a step, fp32 sums, SiLU-and-mul as its own launch)
+    path: str = "triton"
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -303,34 +342,53 @@ def moe_gemm(
 
 
 def _moe_gemm(x, w, pair_ids, block_expert, num_pairs, rows_per_x, config, routing, silu_mul):
-    """:func:`moe_gemm`, but with ``config.split_k > 1`` and no ``silu_mul`` the fp32 sums are
-    returned as they are (the top-k sum reads fp32, so no cast launch)."""
+    """:func:`moe_gemm`, but with ``config.split_k > 1`` or the gemv path and no ``silu_mul``
+    the fp32 sums are returned as they are (the top-k sum reads fp32, so no cast launch)."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
     if silu_mul and n % 2:
         raise ValueError(f"gate and up need an even column count, got {n}")
     split = config.split_k > 1
-    fused_silu = silu_mul and not split
+    gemv = config.path == "gemv"
+    fp32_sums = split or gemv  # SiLU-and-mul, if asked, then runs as its own launch
+    fused_silu = silu_mul and not fp32_sums
     out_n, out_bn = (n // 2, config.block_n // 2) if fused_silu else (n, config.block_n)
     if split:
         out = torch.zeros((num_pairs, n), dtype=torch.float32, device=x.device)
+    elif gemv:
+        out = torch.empty((num_pairs, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((num_pairs, out_n), dtype=torch.bfloat16, device=x.device)
     grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
-    _moe_gemm_kernel[grid](
-        x, weight, scales, zeros, out, pair_ids, block_expert,
-        routing if routing is not None else x,
-        n, k, num_pairs, rows_per_x, config.split_k,
-        x.stride(0), swe, swk, sse, ssk, out.stride(0),
-        INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        FAST=config.fast_decode and not interpreted(),
-        EVEN_K=k % config.block_k == 0, EVEN_N=out_n % out_bn == 0, SWAP=config.swap,
-        SILU_MUL=fused_silu, SPLIT=split,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    if not (split and silu_mul):
+    if gemv:
+        if not int4 or config.block_m != 1:
+            raise ValueError(f"the gemv path takes INT4 experts and block_m 1, got {config}")
+        _moe_gemv_kernel[grid](
+            x, weight, scales, zeros, out, pair_ids, block_expert,
+            routing if routing is not None else x,
+            n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k,
+            x.stride(0), swe, swk, sse, ssk, out.stride(0),
+            GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
+            BLOCK_N=config.block_n, BLOCK_R=config.block_k // 8, SPLIT=split,
+            FAST=config.fast_decode and not interpreted(),
+            EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
+            num_warps=config.num_warps, num_stages=1,
+        )  # fmt: skip
+    else:
+        _moe_gemm_kernel[grid](
+            x, weight, scales, zeros, out, pair_ids, block_expert,
+            routing if routing is not None else x,
+            n, k, num_pairs, rows_per_x, config.split_k,
+            x.stride(0), swe, swk, sse, ssk, out.stride(0),
+            INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            FAST=config.fast_decode and not interpreted(),
+            EVEN_K=k % config.block_k == 0, EVEN_N=out_n % out_bn == 0, SWAP=config.swap,
+            SILU_MUL=fused_silu, SPLIT=split,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    if not (fp32_sums and silu_mul):
         return out
     act = torch.empty((num_pairs, n // 2), dtype=torch.bfloat16, device=x.device)
     block = 1024
@@ -354,7 +412,8 @@ def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     return res
 
 
-def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
+def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
+                int4: bool = True) -> list[MoeConfig]:
     """Blocks of 64 rows beyond decode sizes; at decode sizes (about one pair per expert block)
     16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
     half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
@@ -364,7 +423,10 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     At decode sizes the 8-row blocks also come with K split in 2 to 8: a few pairs give a few
     blocks, and an expert-parallel GPU at one request touches 2-3 experts, so without the split
     a GEMM has one program per expert and N tile, too few to fill 132 SMs (the decode slice's
-    experts at 1 request: 1.17 TB/s without the split, 1.46 with it)."""
+    experts at 1 request: 1.17 TB/s without the split, 1.46 with it).
+
+    INT4 experts with about one pair each also get the CUDA-core path (``gemv``, one pair a
+    program) with the dense GEMV's two tiles and split counts for the ``n`` output columns."""
     large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
     if num_pairs > 16 * num_experts:
         return large
@@ -374,7 +436,12 @@ def _candidates(num_pairs: int, num_experts: int) -> list[MoeConfig]:
     swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
     split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in
              ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4))]  # fmt: skip
-    return small + swapped + split
+    gemv = []
+    if int4 and n is not None and num_pairs <= 2 * num_experts:
+        for bn, bk in ((128, 128), (256, 64)):
+            gemv += [MoeConfig(1, bn, bk, 4, 1, split_k=s, path="gemv")
+                     for s in _split_counts(num_pairs * triton.cdiv(n, bn))]  # fmt: skip
+    return small + swapped + split + gemv
 
 
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
@@ -429,10 +496,13 @@ def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig
     """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile."""
     kind = "int4" if isinstance(w13, W4A16Weight) else "bf16"
     shape = (x.shape[0], num_experts, tuple(x.shape[1:]), kind, torch.cuda.get_device_name())
-    cands = _candidates(num_pairs, num_experts)
-    mid = cands[len(cands) // 2]
-    up = tune_cached(("moe_up", *shape), [(c, mid) for c in cands], run)[0]
-    return tune_cached(("moe_down", *shape), [(up, c) for c in cands], run)
+    tiles = _candidates(num_pairs, num_experts)
+    mid = tiles[len(tiles) // 2]
+    int4 = kind == "int4"
+    up_cands = _candidates(num_pairs, num_experts, _weight_args(w13)[7], int4)
+    up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run)[0]
+    down_cands = _candidates(num_pairs, num_experts, _weight_args(w2)[7], int4)
+    return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run)
 
 
 def fused_moe_reference(

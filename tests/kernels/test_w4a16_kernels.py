@@ -263,6 +263,28 @@ def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
     assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
 
 
+@pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
+def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
+    """One pair a program on CUDA cores: experts shared by several pairs (neighbouring
+    programs), column counts that are not a multiple of the tile (masked columns), a down K
+    (96) that ends inside a step, K split with an empty part, and the gemv path beside a
+    tensor-core tile in the other GEMM (the pairs aligned twice)."""
+    experts, hidden, inter, tokens, top_k = 4, 384, 96, 5, 2
+    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
+                                        symmetric, seed=7)  # fmt: skip
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    tile = MoeConfig(block_m=8, block_n=32, swap=True)
+    wide = MoeConfig(1, 128, 128, path="gemv")
+    short = MoeConfig(1, 64, 64, split_k=4, path="gemv")
+    for cfgs in ((wide, short), (short, tile), (tile, wide)):
+        out = fused_moe(x, w13, w2, weights, ids, configs=cfgs)
+        assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+        assert rel_l2(out, ref) <= REL_L2, cfgs
+    b13 = dequantize(w13, torch.bfloat16).transpose(-1, -2).contiguous()
+    with pytest.raises(ValueError, match="gemv path takes INT4"):
+        fused_moe(x, b13, w2, weights, ids, configs=(wide, wide))
+
+
 def test_moe_gemm_split_k_returns_bf16():
     """The public ``moe_gemm`` keeps its bf16 result when K is split (the fp32 sums are cast)."""
     w = make_weight((3, 64, 256), 32, True, seed=5)
@@ -308,6 +330,25 @@ def test_fused_moe_real_width_tuned(tokens):
     weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
     ids, weights = ids.cuda(), weights.cuda()
     out = fused_moe(x, w13, w2, weights, ids)
+    assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("experts,tokens,split", [(48, 1, 8), (384, 1, 4), (48, 16, 2)])
+def test_fused_moe_gemv_real_width(experts, tokens, split):
+    """The gemv path with its fp16x2 PTX decode at Kimi K2's expert shapes (group 32): one
+    EP-8 GPU's 48 experts and all 384, one pair and several pairs an expert."""
+    hidden, inter, top_k = 7168, 2048, 8 if experts == 384 else 1
+    w13 = make_weight((experts, 2 * inter, hidden), 32, True, seed=4)
+    w2 = make_weight((experts, hidden, inter), 32, True, seed=5)
+    x = make_x(tokens, hidden, seed=6) / 4
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    ids, weights = ids.cuda(), weights.cuda()
+    cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv")
+    out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
     assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
 
 
