@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
-from .w4a16_gemm import _gemv_sum, _split_counts, _w4a16_accumulate, _x_planes, interpreted, tune_cached
+from .w4a16_gemm import (
+    _gemv_sum,
+    _split_counts,
+    _w4a16_accumulate,
+    _x_planes,
+    interpreted,
+    tune_cached,
+)
 
 __all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", "moe_gemm"]
 
