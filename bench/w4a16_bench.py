@@ -94,8 +94,12 @@ class Marlin:
     def __init__(self, folder: Path):
         import tvm_ffi
 
-        self.dense = tvm_ffi.load_module(str(folder / "marlin_dense.so")).gptq_marlin_gemm
-        self.moe = tvm_ffi.load_module(str(folder / "marlin_moe.so")).moe_wna16_marlin_gemm
+        def load(unit: str, name: str):  # either unit may be built alone (--only)
+            path = folder / f"marlin_{unit}.so"
+            return getattr(tvm_ffi.load_module(str(path)), name) if path.exists() else None
+
+        self.dense = load("dense", "gptq_marlin_gemm")
+        self.moe = load("moe", "moe_wna16_marlin_gemm")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.sms = sms
         self.workspace = torch.zeros(sms * 4, dtype=torch.int32, device="cuda")
