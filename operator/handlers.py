@@ -47,8 +47,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
                 store.put(obj)
     memo.reconciler = Reconciler(kube, store, render_configs)
+    memo.unwatched = dict(OPTIONAL_KINDS)
     metrics.STATUS.store = store  # the per-deployment gauges read it at scrape time
-    memo.resync = asyncio.create_task(_resync_forever(memo.reconciler))
+    memo.resync = asyncio.create_task(_resync_forever(memo))
     log.info("operator started: %d children cached, resync every %gs", len(store.objects),
              RESYNC_SECONDS)
 
@@ -58,15 +59,36 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     memo.resync.cancel()
 
 
-async def _resync_forever(reconciler: Reconciler) -> None:
+# Child kinds served only where their CRD is installed, and kopf may not be watching (below).
+OPTIONAL_KINDS = {(c.LWS_API_VERSION, c.LWS_KIND): c.LWS_PLURAL}
+
+
+async def _resync_forever(memo: kopf.Memo) -> None:
     """Level-triggered safety net: re-decide every deployment; unchanged ones cost nothing."""
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
         try:
-            busy = await asyncio.to_thread(reconciler.resync)
+            await asyncio.to_thread(_list_unwatched, memo)
+            busy = await asyncio.to_thread(memo.reconciler.resync)
             log.info("resync: %d deployment(s) needed requests", busy)
         except Exception:  # a failed resync must not end the loop; the next one retries
             log.exception("resync failed")
+
+
+def _list_unwatched(memo: kopf.Memo) -> None:
+    """Refresh the optional kinds no watch event has come for yet, from a listing.
+
+    kopf re-reads API discovery only when a CRD changes. A CRD installed while the operator
+    runs (LWS) is often not in discovery yet at its last change (the API server publishes it
+    a moment later), and kopf then never watches the kind: the operator would create its
+    LeaderWorkerSets and never see them become ready (seen in the e2e tests). Until the first
+    watch event of such a kind shows that kopf watches it, each resync lists it instead."""
+    store = memo.reconciler.store
+    for (api_version, kind), plural in list(memo.unwatched.items()):
+        listed = memo.reconciler.kube.list_labelled(
+            api_version, kind, plural, f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")
+        if (api_version, kind) in memo.unwatched:  # no watch event meanwhile
+            store.replace(kind, listed)
 
 
 def _route(memo: kopf.Memo, event: kopf.RawEvent, namespace: str | None, name: str) -> None:
@@ -89,6 +111,8 @@ def on_model_deployment(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | 
 
 def _on_child(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
               labels: Mapping[str, str], **_: Any) -> None:
+    obj = event["object"]
+    memo.unwatched.pop((obj.get("apiVersion"), obj.get("kind")), None)  # kopf watches it
     _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])
 
 

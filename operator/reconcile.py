@@ -56,6 +56,12 @@ def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return not (ra.isdigit() and rb.isdigit()) or int(ra) >= int(rb)
 
 
+def _trimmed(obj: Obj) -> Obj:
+    """`obj` without managedFields: often half an object's size, and nothing here reads them."""
+    return {**obj, "metadata": {k: v for k, v in obj["metadata"].items()
+                                if k != "managedFields"}}
+
+
 @dataclass
 class Store:
     """Thread-safe latest copies of ModelDeployments, their children and mismatch events."""
@@ -64,14 +70,23 @@ class Store:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def put(self, obj: Obj) -> None:
-        # managedFields are often half an object's size and nothing here reads them.
-        obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items()
-                                   if k != "managedFields"}}
-        k = key_of(obj)
         with self._lock:
-            old = self.objects.get(k)
-            if old is None or _newer(obj, old):
-                self.objects[k] = obj
+            self._put(_trimmed(obj))
+
+    def _put(self, obj: Obj) -> None:
+        k = key_of(obj)
+        old = self.objects.get(k)
+        if old is None or _newer(obj, old):
+            self.objects[k] = obj
+
+    def replace(self, kind: str, listed: list[Obj]) -> None:
+        """A fresh listing of `kind` replaces what is stored of it."""
+        trimmed = [_trimmed(obj) for obj in listed]
+        with self._lock:
+            for k in [k for k in self.objects if k[0] == kind]:
+                del self.objects[k]
+            for obj in trimmed:
+                self._put(obj)
 
     def drop(self, obj: Mapping[str, Any]) -> None:
         with self._lock:

@@ -261,12 +261,7 @@ def test_switching_between_one_and_two_nodes_per_replica_leaves_no_orphans(
          lambda: only("Deployment", 2), READY_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("install_later", [
-    False,
-    # Passes alone and as this module (about 20 s); in the whole suite's order it has timed
-    # out waiting for the groups after LWS came back, cause not found yet: run with -m slow.
-    pytest.param(True, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize("install_later", [False, True])
 def test_without_lws_a_multi_node_spec_says_so_and_one_node_keeps_serving(
         cluster: Any, operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str],
         tmp_path: Path, install_later: bool) -> None:

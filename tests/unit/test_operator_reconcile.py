@@ -232,3 +232,23 @@ def test_roles_are_applied_before_their_bindings_and_deployments_last() -> None:
     assert [[o["kind"] for o in w] for w in waves] == [
         ["Role", "ConfigMap"], ["RoleBinding", "RoleBinding"], ["Deployment"]]
     assert _apply_waves([{"kind": "ConfigMap"}]) == [[{"kind": "ConfigMap"}]]
+
+
+def test_a_listing_replaces_what_is_stored_of_its_kind_only() -> None:
+    def obj(kind: str, name: str, version: str) -> dict[str, Any]:
+        return {"kind": kind, "metadata": {"namespace": "llm", "name": name,
+                                           "resourceVersion": version,
+                                           "managedFields": [{"manager": "x"}]}}
+
+    store = Store()
+    for o in (obj("LeaderWorkerSet", "gone", "3"), obj("LeaderWorkerSet", "kept", "4"),
+              obj("Deployment", "other", "5")):
+        store.put(o)
+    store.replace("LeaderWorkerSet", [obj("LeaderWorkerSet", "kept", "7"),
+                                      obj("LeaderWorkerSet", "new", "8")])
+    assert sorted(k for k in store.objects) == [
+        ("Deployment", "llm", "other"), ("LeaderWorkerSet", "llm", "kept"),
+        ("LeaderWorkerSet", "llm", "new")]
+    kept = store.get("LeaderWorkerSet", "llm", "kept")
+    assert kept is not None and kept["metadata"]["resourceVersion"] == "7"
+    assert "managedFields" not in kept["metadata"]
