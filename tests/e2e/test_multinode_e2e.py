@@ -13,8 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import kopf
+import kubernetes
 import pytest
 from tessera.operator import constants as c
+from tessera.operator import handlers
+from tessera.operator.kube import Kube
+from tessera.operator.reconcile import Reconciler, Store
+from tessera.operator.render import render_configs
 from test_operator_e2e import Operator, apply, conditions, get_md, poll, tiny
 from test_operator_e2e import operator as operator  # noqa: F401  (the module's operator fixture)
 
@@ -99,7 +105,8 @@ def test_lws_webhooks_are_called_on_loopback(kubectl: Any, namespace: str) -> No
 
 
 def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
-        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str],
+        cluster: Any) -> None:
     apply(kubectl, namespace, wide("mn"))
     poll("the deployment Ready", lambda: ready(kubectl, namespace, "mn"), READY_TIMEOUT_S)
 
@@ -140,6 +147,15 @@ def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
     assert md["status"]["prefill"]["readyReplicas"] == 2
     assert md["status"]["plan"]["prefill"]["capacity"]["nodesPerReplica"] == 2
     assert "prefill 2/2" in md["status"]["summary"]["replicas"]
+
+    # What stands in for kopf's watch where it never started one (an LWS installed while the
+    # operator ran, docs/operator.md): a resync's listing brings the same ready groups.
+    client = kubernetes.config.new_client_from_config(config_file=cluster.env["KUBECONFIG"])
+    memo = kopf.Memo(unwatched=dict(handlers.OPTIONAL_KINDS),
+                     reconciler=Reconciler(Kube(client), Store(), render_configs))
+    handlers._list_unwatched(memo)
+    listed = memo.reconciler.store.get(c.LWS_KIND, namespace, "mn-prefill")
+    assert listed is not None and listed["status"]["readyReplicas"] == 2
 
 
 def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(
