@@ -365,6 +365,57 @@ def _quarter(rows, col0, DQ: tl.constexpr, mask_n, FP8: tl.constexpr, INTERPRETE
 
 
 @triton.jit
+def _mla_tile_slots(
+    indices, row, n0, offs_n, mask_n, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The KV slots of the tile of tokens ``offs_n`` (from ``n0``) of the request whose table
+    starts at ``row``."""
+    if BLOCK_N <= PAGE_SIZE:
+        # tiles start at multiples of BLOCK_N, so a tile lies in one page: one entry per
+        # tile (a gather per token cost the BF16 kernel 31% with SGLang's token-level table)
+        entry = tl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE).to(tl.int64)
+    else:
+        entry = tl.load(
+            indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
+        ).to(tl.int64)
+    return (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+
+
+@triton.jit
+def _mla_q(
+    q_rows, mask_h, D: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+    cdt: tl.constexpr, NATIVE_QK: tl.constexpr, QK_PARTS: tl.constexpr,
+):  # fmt: skip
+    """The query heads' four latent quarters and rope part as the products' operands, their
+    second e4m3 parts (the first again where unused) and the per-head unit the scores are in.
+
+    ``NATIVE_QK``: q per head in e4m3 (its largest entry at 448), the scale folded into the
+    scores; with two parts the second holds the rounding residual of the first. Otherwise
+    ``cdt`` (the widened tiles' type) and a unit of 1."""
+    DQ: tl.constexpr = D // 4
+    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
+    qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
+    if NATIVE_QK:
+        q_top = tl.maximum(tl.maximum(_row_max(q0), _row_max(q1)), _row_max(qr))
+        q_top = tl.maximum(q_top, tl.maximum(_row_max(q2), _row_max(q3)))
+        q_unit = tl.maximum(q_top, 1e-30) / 448.0
+        q0, q0l = _e4m3_parts(q0.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q1, q1l = _e4m3_parts(q1.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q2, q2l = _e4m3_parts(q2.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        q3, q3l = _e4m3_parts(q3.to(tl.float32) / q_unit[:, None], QK_PARTS)
+        qr, qrl = _e4m3_parts(qr.to(tl.float32) / q_unit[:, None], QK_PARTS)
+    else:
+        q_unit = tl.full([BLOCK_H], 1.0, tl.float32)
+        q0, q1, q2, q3, qr = q0.to(cdt), q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
+        q0l, q1l, q2l, q3l, qrl = q0, q1, q2, q3, qr
+    return q0, q1, q2, q3, qr, q0l, q1l, q2l, q3l, qrl, q_unit
+
+
+@triton.jit
 def _mla_kernel(
     Q,
     KV,
@@ -417,26 +468,10 @@ def _mla_kernel(
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
     NATIVE_QK: tl.constexpr = FP8 and QK_PARTS > 0
     NATIVE_PV: tl.constexpr = FP8 and PV_PARTS > 0
-    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
-    if NATIVE_QK:
-        # q per head in e4m3 (its largest entry at 448), the scale folded into the scores;
-        # with two parts the second holds the rounding residual of the first
-        q_top = tl.maximum(tl.maximum(_row_max(q0), _row_max(q1)), _row_max(qr))
-        q_top = tl.maximum(q_top, tl.maximum(_row_max(q2), _row_max(q3)))
-        q_unit = tl.maximum(q_top, 1e-30) / 448.0
-        q0, q0l = _e4m3_parts(q0.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q1, q1l = _e4m3_parts(q1.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q2, q2l = _e4m3_parts(q2.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q3, q3l = _e4m3_parts(q3.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        qr, qrl = _e4m3_parts(qr.to(tl.float32) / q_unit[:, None], QK_PARTS)
-    else:
-        q_unit = tl.full([BLOCK_H], 1.0, tl.float32)
-        q0, q1, q2, q3, qr = q0.to(cdt), q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
+    q0, q1, q2, q3, qr, q0l, q1l, q2l, q3l, qrl, q_unit = _mla_q(
+        Q + b * stride_qb + heads[:, None] * stride_qh, mask_h, D, D_ROPE, BLOCK_H, cdt,
+        NATIVE_QK, QK_PARTS,
+    )  # fmt: skip
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -448,16 +483,8 @@ def _mla_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if BLOCK_N <= PAGE_SIZE:
-            # tiles start at multiples of BLOCK_N, so a tile lies in one page: one entry per
-            # tile (a gather per token cost the BF16 kernel 31% with SGLang's token-level table)
-            page = tl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE).to(tl.int64)
-            slot = (page // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
-        else:
-            entry = tl.load(
-                indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
-            ).to(tl.int64)
-            slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+        slot = _mla_tile_slots(indices, row, n0, offs_n, mask_n, PAGE_SIZE, ENTRIES_PER_PAGE,
+                               BLOCK_N)
         rows = KV + slot[:, None] * stride_kv_slot
         if NATIVE_QK:
             # e4m3 tiles straight into the products (no widening on the scores' path)
@@ -617,27 +644,15 @@ def _mla_tokens_m_kernel(
     NATIVE_QK: tl.constexpr = FP8 and QK_PARTS > 0
     NATIVE_PV: tl.constexpr = NATIVE_QK and PV_PARTS > 0  # V is then the raw e4m3 tile
     cdt: tl.constexpr = tl.float16 if FP8 else tl.bfloat16
-    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-    q0 = tl.load(q_rows + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q1 = tl.load(q_rows + DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * DQ + tl.arange(0, DQ)[None, :], mask=mask_h[:, None], other=0.0)
-    qr = tl.load(q_rows + D + tl.arange(0, D_ROPE)[None, :], mask=mask_h[:, None], other=0.0)
-    if NATIVE_QK:
-        q_top = tl.maximum(tl.maximum(_row_max(q0), _row_max(q1)), _row_max(qr))
-        q_top = tl.maximum(q_top, tl.maximum(_row_max(q2), _row_max(q3)))
-        q_unit = tl.maximum(q_top, 1e-30) / 448.0
-        q0, q0l = _e4m3_parts(q0.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q1, q1l = _e4m3_parts(q1.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q2, q2l = _e4m3_parts(q2.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        q3, q3l = _e4m3_parts(q3.to(tl.float32) / q_unit[:, None], QK_PARTS)
-        qr, qrl = _e4m3_parts(qr.to(tl.float32) / q_unit[:, None], QK_PARTS)
+    q0, q1, q2, q3, qr, q0l, q1l, q2l, q3l, qrl, q_unit = _mla_q(
+        Q + b * stride_qb + heads[:, None] * stride_qh, mask_h, D, D_ROPE, BLOCK_H, cdt,
+        NATIVE_QK, QK_PARTS,
+    )  # fmt: skip
+    # the heads as the products' N: every query operand transposed
+    q0, q1, q2, q3, qr = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), tl.trans(qr)
+    if QK_PARTS == 2 and NATIVE_QK:
         q0l, q1l, q2l, q3l = tl.trans(q0l), tl.trans(q1l), tl.trans(q2l), tl.trans(q3l)
         qrl = tl.trans(qrl)
-    else:
-        q_unit = tl.full([BLOCK_H], 1.0, tl.float32)
-        q0, q1, q2, q3, qr = q0.to(cdt), q1.to(cdt), q2.to(cdt), q3.to(cdt), qr.to(cdt)
-    q0, q1, q2, q3, qr = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), tl.trans(qr)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -649,14 +664,8 @@ def _mla_tokens_m_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if BLOCK_N <= PAGE_SIZE:
-            page = tl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE).to(tl.int64)
-            slot = (page // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
-        else:
-            entry = tl.load(
-                indices + row + (offs_n // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask_n, other=0
-            ).to(tl.int64)
-            slot = (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs_n % PAGE_SIZE
+        slot = _mla_tile_slots(indices, row, n0, offs_n, mask_n, PAGE_SIZE, ENTRIES_PER_PAGE,
+                               BLOCK_N)
         rows = KV + slot[:, None] * stride_kv_slot
         k0 = _quarter(rows, 0, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
         k1 = _quarter(rows, DQ, DQ, mask_n, FP8 and not NATIVE_QK, INTERPRETED)
