@@ -36,9 +36,15 @@ from test_operator_e2e import operator as operator  # noqa: F401  (the module's 
 SECRET = "s3-reader"
 
 
-def jobs(kubectl: Any, namespace: str) -> list[dict[str, Any]]:
+def jobs(kubectl: Any, namespace: str, action: str = c.FETCHER) -> list[dict[str, Any]]:
     return json.loads(kubectl("get", "jobs", "-n", namespace, "-l",
-                              f"{c.LABEL_PHASE}={c.FETCHER}", "-o", "json").stdout)["items"]
+                              f"{c.LABEL_PHASE}={action}", "-o", "json").stdout)["items"]
+
+
+def s3_secret(kubectl: Any, namespace: str, server: S3Server) -> None:
+    """The Secret `credentialsSecret` names: the loopback server's address and keys."""
+    kubectl("create", "secret", "generic", SECRET, "-n", namespace,
+            *(f"--from-literal={k}={v}" for k, v in server.env().items()))
 
 
 def secret_env(kubectl: Any, namespace: str, name: str) -> dict[str, str]:
@@ -71,8 +77,7 @@ def test_s3_weights_fetched_once_into_the_cache_claim_then_mounted_read_only(
     write_checkpoint(bucket / "tiny-v2", TINY_CONFIGS["deepseek-v3"], dtype="fp8", seed=1)
     server = S3Server({"weights": bucket}, tmp_path)
     try:
-        kubectl("create", "secret", "generic", SECRET, "-n", namespace,
-                *(f"--from-literal={k}={v}" for k, v in server.env().items()))
+        s3_secret(kubectl, namespace, server)
         md = tiny("fetch")
         md["spec"]["decode"]["weights"] = {"dtype": "fp8", "uri": "s3://weights/tiny",
                                            "cache": {"pvc": "model-cache"},
@@ -150,16 +155,13 @@ def test_int4_conversion_starts_from_s3(operator: Any, kubectl: Any, namespace: 
     write_checkpoint(tmp_path / "bucket" / "fp8", TINY_CONFIGS["deepseek-v3"], dtype="fp8")
     server = S3Server({"weights": tmp_path / "bucket"}, tmp_path)
     try:
-        kubectl("create", "secret", "generic", SECRET, "-n", namespace,
-                *(f"--from-literal={k}={v}" for k, v in server.env().items()))
+        s3_secret(kubectl, namespace, server)
         md = tiny("conv3")
         md["spec"]["decode"]["weights"] = {"dtype": "int4", "uri": "pvc://ckpt/int4",
                                            "convertFrom": {"uri": "s3://weights/fp8"},
                                            "credentialsSecret": SECRET}
         apply(kubectl, namespace, md)
-        (job,) = poll("the conversion Job", lambda: json.loads(kubectl(
-            "get", "jobs", "-n", namespace, "-l", f"{c.LABEL_PHASE}={c.CONVERTER}",
-            "-o", "json").stdout)["items"])
+        (job,) = poll("the conversion Job", lambda: jobs(kubectl, namespace, c.CONVERTER))
         pod = job["spec"]["template"]["spec"]
         assert [x["name"] for x in pod["initContainers"]] == ["fetch", "convert"]
         claim_dir = tmp_path / "claim"
