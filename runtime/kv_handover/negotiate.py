@@ -86,16 +86,17 @@ def plan_for_peer(
     """Pair each of this prefill's KV entries with the peer's, or refuse naming both sides.
 
     ``item_lens`` and ``peer_item_lens`` are the per-entry page byte lengths both sides
-    registered (SGLang's ``kv_item_lens``); an empty peer list means entry 0's length for all.
+    registered (SGLang's ``kv_item_lens``); a peer list of one length (a decode that sends
+    only ``dst_kv_item_len``) means that length for every entry.
     """
-    if len(peer_item_lens) not in (0, len(item_lens)):
+    if len(peer_item_lens) not in (1, len(item_lens)):
         raise HandoverRefused(
             f"decode {peer} registered {len(peer_item_lens)} KV entries, this prefill has "
             f"{len(item_lens)}: the two pools are not the same model or pipeline stage"
         )
     src, dst = [], []
     for i, item_len in enumerate(item_lens):
-        peer_len = peer_item_lens[i] if peer_item_lens else peer_item_lens[0]
+        peer_len = peer_item_lens[i] if len(peer_item_lens) > 1 else peer_item_lens[0]
         mine = own_layout(kv_cache_dtype, item_len // page_size, dsa)
         if peer_len % page_size:
             raise HandoverRefused(

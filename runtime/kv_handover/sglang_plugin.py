@@ -381,10 +381,11 @@ def _install_decode(common_cls: Any, receiver_cls: Any, info_cls: Any) -> None:
         info = info_cls(**response.json())
         mine = self.kv_cache_dtype_str
         prefill_dtype = info.kv_cache_dtype
-        converts, why = True, ""
-        if prefill_dtype is not None and _dtype_kind(prefill_dtype) != _dtype_kind(mine):
-            converts, why = _peer_converts(bootstrap_addr, mine)
+        differ = prefill_dtype is not None and _dtype_kind(prefill_dtype) != _dtype_kind(mine)
         try:
+            if not differ:  # SGLang's own check, as it is (it tells e4m3 from e5m2)
+                return ensure(self, bootstrap_addr)
+            converts, why = _peer_converts(bootstrap_addr, mine)
             if not converts:
                 raise RuntimeError(
                     f"KV cache dtype mismatch: prefill {bootstrap_addr} has "
@@ -393,7 +394,7 @@ def _install_decode(common_cls: Any, receiver_cls: Any, info_cls: Any) -> None:
                 )
             # The prefill converts to this pool's layout: SGLang's equality check would
             # refuse it, so it sees the prefill's own dtype for that one comparison.
-            self.kv_cache_dtype_str = prefill_dtype if prefill_dtype is not None else mine
+            self.kv_cache_dtype_str = prefill_dtype
             try:
                 return ensure(self, bootstrap_addr)
             finally:

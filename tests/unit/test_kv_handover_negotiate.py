@@ -68,6 +68,17 @@ def test_a_pairing_that_cannot_work_names_both_sides(peer_lens: list[int], match
         )
 
 
+def test_a_decode_that_registers_one_item_length_pairs_every_layer_with_it() -> None:
+    """SGLang's decode sends ``dst_kv_item_lens`` per entry, or only ``dst_kv_item_len``: the
+    plugin passes that one length, which then holds for every layer."""
+    plan = plan_for_peer(
+        kv_cache_dtype="bf16", item_lens=[BF16] * 61, page_size=PAGE, dsa=False,
+        peer_item_lens=[FP8], peer="10.0.0.2:17000",
+    )
+    assert plan.converts and len(plan.dst) == 61
+    assert {d.kind for d in plan.dst} == {"fp8_e4m3"}
+
+
 def test_staging_holds_one_chunk_per_worker_in_the_largest_peer_layout() -> None:
     # A BF16 prefill converts only to FP8: 61 layers x 576 B x 8192 tokens per worker.
     assert staging_bytes(
