@@ -63,6 +63,7 @@ class Progress:
                  emit: Callable[[str], None] = log.info) -> None:
         self.what, self.total, self._clock, self._emit = what, total, clock, emit
         self.done = 0
+        self._resumed = 0  # bytes found on disk: done, but not fetched at this run's rate
         self._start = self._last_time = clock()
         self._last_step = 0
         self._lock = threading.Lock()
@@ -76,6 +77,12 @@ class Progress:
                 self._last_time, self._last_step = now, step
                 self._emit(self.line(now))
 
+    def resume(self, n: int) -> None:
+        """`n` bytes of a partial file were already here."""
+        with self._lock:
+            self.done += n
+            self._resumed += n
+
     def set(self, done: int) -> None:
         """For a fetch whose client does not report bytes (the Hub's): what is on disk."""
         with self._lock:
@@ -85,7 +92,7 @@ class Progress:
 
     def line(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
-        rate = self.done / elapsed
+        rate = (self.done - self._resumed) / elapsed
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         pct = 100 * self.done / self.total if self.total else 100.0
         eta = f", about {_duration(left)} left" if self.done < self.total and rate > 0 else ""
@@ -235,6 +242,7 @@ def _download(store: Store, remote: RemoteFile, dest: Path,
                 digest.update(chunk)
         log.info("%s: resuming at %.2f of %.2f GiB", remote.path, offset / GiB,
                  remote.size / GiB)
+        progress.resume(offset)
     with partial.open("ab") as f:
         if offset < remote.size:
             for chunk in store.read(remote.path, offset):

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from tessera.runtime.capabilities import FP8_KV_MIN_COMPUTE_CAPABILITY, KV_HANDOFF_CONVERSIONS
 from tessera.runtime.config import DecodeAttentionImpl
-from tessera.runtime.fetch.source import REMOTE_SCHEMES
+from tessera.runtime.fetch.source import is_remote
 from tessera.runtime.planner.architecture import Architecture, resolve_architecture
 from tessera.runtime.planner.decode_attention import flashmla_problem
 from tessera.runtime.planner.engine import (
@@ -379,8 +379,7 @@ def _download_findings(spec: Mapping[str, Any], phases: list[PhaseSpec],
     for phase in phases:
         weights = spec[phase.name].get("weights") or {}
         uri = str(weights.get("uri", ""))
-        if uri.partition("://")[0] not in REMOTE_SCHEMES or (weights.get("cache") or {}).get(
-                "pvc"):
+        if not is_remote(uri) or (weights.get("cache") or {}).get("pvc"):
             continue
         size = checkpoint_bytes(arch, phase.weights)
         out.append(Finding(

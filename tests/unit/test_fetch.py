@@ -99,6 +99,16 @@ def test_progress_logs_every_5_percent_or_10_seconds_not_every_chunk() -> None:
     assert len(lines) == 6 and "left" in lines[-1]
 
 
+def test_progress_counts_resumed_bytes_as_done_but_not_in_the_rate() -> None:
+    now = [0.0]
+    lines: list[str] = []
+    progress = Progress("s3://b", 1000 * MiB, clock=lambda: now[0], emit=lines.append)
+    progress.resume(600 * MiB)  # a partial file from a killed run
+    now[0] = 10.0
+    progress.add(400 * MiB)  # the rest, in 10 s: 40 MiB/s
+    assert lines[-1] == "s3://b: 0.98 of 0.98 GiB (100%), 40 MiB/s"
+
+
 def test_credentials_never_reach_a_message() -> None:
     env = {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value", "HF_TOKEN": "hf_abcdef"}
     assert redact("signed with s3cr3t-value and hf_abcdef", env) == "signed with *** and ***"
