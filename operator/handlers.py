@@ -18,6 +18,7 @@ import kopf
 from tessera.operator import constants as c
 from tessera.operator import metrics
 from tessera.operator.kube import CHILD_KINDS, Kube, new_api_client
+from tessera.operator.reconcile import OPTIONAL_KINDS as OPTIONAL_HINTS
 from tessera.operator.reconcile import Reconciler, Store
 from tessera.operator.render import render_configs
 
@@ -60,7 +61,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 # Child kinds served only where their CRD is installed, and kopf may not be watching (below).
-OPTIONAL_KINDS = {(c.LWS_API_VERSION, c.LWS_KIND): c.LWS_PLURAL}
+OPTIONAL_KINDS = {k: plural for k, plural in CHILD_KINDS.items() if k[1] in OPTIONAL_HINTS}
 
 
 async def _resync_forever(memo: kopf.Memo) -> None:

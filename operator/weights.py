@@ -223,8 +223,8 @@ _WHY = {FetchFailure.BAD_URI: "the URI names nothing fetchable",
 def _failure_words(message: str) -> str:
     """What a fetch's exit code in a Job's failure message means."""
     found = _EXIT_CODE.search(message)
-    code = int(found.group(1)) if found else None
-    return next((f"{why}; " for f, why in _WHY.items() if f == code), "")
+    why = _WHY.get(int(found.group(1))) if found else None
+    return f"{why}; " if why else ""
 
 
 def _fetch_outcome(job_name: str, pods: Sequence[Mapping[str, Any]]) -> str:

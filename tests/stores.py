@@ -79,7 +79,7 @@ def olah_python() -> Path:
     return python
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -204,7 +204,7 @@ class GcsServer(_Process):
     `env()` is a service-account key pointing obstore's GCS client at it."""
 
     def __init__(self, data: Path, workdir: Path) -> None:
-        port = _free_port()
+        port = free_port()
         netloc = f"127.0.0.1:{port}"
         super().__init__([str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1",
                           "-port", str(port), "-backend", "memory", "-data", str(data),
@@ -250,7 +250,7 @@ class HubMirror(_Process):
     lfs_repo); `env()` points huggingface_hub at it."""
 
     def __init__(self, mirrors: Path, workdir: Path) -> None:
-        port = _free_port()
+        port = free_port()
         netloc = f"127.0.0.1:{port}"
         config = workdir / "olah.toml"
         config.write_text(

@@ -56,9 +56,10 @@ def _bf16_rows(n: int, nope: int, rope: int, scale: float = 60.0) -> torch.Tenso
 
 
 def _mla_pool_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What SGLang's MLA pool of ``dtype`` stores for K ``x`` (its ``set_kv_buffer`` cast)."""
-    k = x if x.dtype == dtype else x.to(dtype)
-    return k.view(torch.uint8) if dtype != torch.bfloat16 else k.view(torch.uint8)
+    """The bytes of ``x`` cast to ``dtype``: SGLang's MLA pool stores K with this plain cast in
+    ``set_kv_buffer`` (read in its source; the two-process handover test, kv_handover_peer.py,
+    writes through SGLang's own pool)."""
+    return x.to(dtype).view(torch.uint8)
 
 
 def _sglang_dsa_rows(x: torch.Tensor, nope: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stores import SECRET_KEY, GcsServer, HubMirror, Proxy, S3Server, lfs_repo
+from stores import SECRET_KEY, GcsServer, HubMirror, Proxy, S3Server, free_port, lfs_repo
 from tessera.runtime.fetch.download import Progress, redact
 from tessera.runtime.fetch.source import STATE_DIR, FetchFailure, Source, SourceError, cache_dir
 from tessera.runtime.fetch.verify import (
@@ -349,9 +349,7 @@ def test_hub_refusals_and_an_unreachable_hub_are_named(tmp_path: Path) -> None:
     refused = hub_error(source, HfHubHTTPError("401 Client Error", response=response))
     assert refused.failure == FetchFailure.CREDENTIALS
     assert str(refused).startswith("hf://org/private: the Hub refused the token (HTTP 401)")
-    with __import__("socket").socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()
     result = fetch("hf://org/tiny", tmp_path / "dest",
                    {"HF_ENDPOINT": f"http://127.0.0.1:{closed}", "HF_TOKEN": "hf_secretvalue"})
     assert result.returncode == FetchFailure.UNREACHABLE, result.stderr

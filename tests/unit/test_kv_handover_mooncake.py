@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,16 +26,11 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
 pytest.importorskip("sglang.srt.disaggregation.mooncake.conn", reason="needs SGLang (no deps)")
 
+from stores import free_port  # noqa: E402
 from tessera.runtime.quantize.synthetic import TINY_CONFIGS  # noqa: E402
 
 PEER = Path(__file__).with_name("kv_handover_peer.py")
 SUCCESS, FAILED = 4, 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pages(first: int, count: int) -> list[int]:
@@ -59,7 +53,7 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (model / "config.json").write_text(
         json.dumps({**TINY_CONFIGS["deepseek-v3"], "torch_dtype": "bfloat16"})
     )
-    ports = {name: _free_port() for name in ("bf16", "fp8", "plain", "dsa")}
+    ports = {name: free_port() for name in ("bf16", "fp8", "plain", "dsa")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     # (room, prefill, decode, prefill pages, decode pages, pages per chunk)
     plan = [
@@ -143,14 +137,14 @@ def handover(tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"room": 52, "bootstrap_addr": addr["fp8"], "prefill_pages": [1],
              "decode_pages": [2], "prefill_dtype": "fp8_e4m3"},
         ]
-        tp2_port = _free_port()
+        tp2_port = free_port()
         for name, dtype, attention in (("bf16", "bf16", "mla"), ("fp8_e4m3", "fp8_e4m3", "mla"),
                                        ("dsa", "fp8_e4m3", "dsa"), ("tp2-0", "fp8_e4m3", "mla"),
                                        ("tp2-1", "fp8_e4m3", "mla"),
                                        ("page8", "fp8_e4m3", "mla")):
             reports[name] = tmp / f"decode-{name}.report"
             tp = {"tp_size": 2, "tp_rank": int(name[-1]), "bootstrap_port": tp2_port} if (
-                name.startswith("tp2")) else {"bootstrap_port": _free_port()}
+                name.startswith("tp2")) else {"bootstrap_port": free_port()}
             if name == "page8":
                 tp["page"] = 8
             decodes[name] = _start(tmp, f"decode-{name}", {
