@@ -129,6 +129,12 @@ CASES: list[tuple[str, Edit, list[str]]] = [
         uri="hf://just-a-name"), ["spec.decode.weights.uri", "hf://org/repo@revision"]),
     ("s3 bucket in capitals", lambda m: m["spec"]["decode"]["weights"].update(
         uri="s3://Weights/kimi"), ["spec.decode.weights.uri", "s3://bucket/dir"]),
+    ("conversion from an hf source without an org", lambda m: m["spec"]["decode"][
+        "weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": "hf://just-a-name"}),
+     ["spec.decode.weights.convertFrom.uri", "hf://org/repo@revision"]),
+    ("conversion from a gs bucket in capitals", lambda m: m["spec"]["decode"][
+        "weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": "gs://Weights/fp8"}),
+     ["spec.decode.weights.convertFrom.uri", "gs://bucket/dir"]),
     ("conversion on prefill", lambda m: m["spec"]["prefill"]["weights"].update(
         dtype="int4", uri="pvc://ckpt/i4", convertFrom={"uri": "pvc://ckpt/fp8"}),
      ["spec: Invalid value", "convertFrom applies to the decode or single phase"]),
