@@ -146,6 +146,7 @@ class Intent:
     plan: DeploymentPlan | None
     error: PlanError | None
     desired: list[Obj]  # empty when the spec is not admitted
+    sizes: dict[str, int] = field(default_factory=dict)  # each phase's checkpoint bytes
 
     @property
     def admitted(self) -> bool:
@@ -156,11 +157,12 @@ def intend(md: Mapping[str, Any],
            render_configs: Callable[[Mapping[str, Any], DeploymentPlan], dict[str, str]]
            ) -> Intent:
     plan, error = plan_spec(md["spec"])
+    sizes = checkpoint_sizes(plan) if plan is not None else {}
     if plan is None or not plan.ok:
-        return Intent(plan, error, [])
+        return Intent(plan, error, [], sizes)
     jobs = weights_job_children(md, plan.architecture)
-    return Intent(plan, error, desired_children(md, render_configs(md, plan), jobs,
-                                                checkpoint_sizes(plan)))
+    return Intent(plan, error, desired_children(md, render_configs(md, plan), jobs, sizes),
+                  sizes)
 
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
@@ -177,9 +179,9 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     apply: list[Obj] = []
     prune: list[Obj] = []
     # A phase whose weights a Job fetches or converts waits for that Job to succeed.
-    sizes = checkpoint_sizes(intent.plan) if intent.plan is not None else {}
     weights = [observe_job(ref, children.get(("Job", meta["namespace"], ref.name)),
-                           sizes.get(ref.phases[0], 0) if ref.action == c.FETCHER else 0, pods)
+                           intent.sizes.get(ref.phases[0], 0) if ref.action == c.FETCHER
+                           else 0, pods)
                for ref in weights_jobs(md)]
     held: set[Key] = {(workload_kind(spec, phase), meta["namespace"],
                        child_name(meta["name"], phase))
