@@ -171,12 +171,24 @@ class Marlin:
         h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
         self.moe_gemm(x, h13, *w13, routing, block, top_k, False, group)
         act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
-        w4a16_moe._silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
+        _silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
             h13, act, inter, BLOCK=1024, num_warps=4
         )
         down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
         self.moe_gemm(act, down, *w2, routing, block, 1, True, group)
         return _topk_sum(down, tokens, top_k)
+
+
+@triton.jit
+def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
+    """out[p, :half] = silu(src[p, :half]) * src[p, half:]: SGLang's SiLU-and-mul launch
+    between Marlin's two MoE GEMMs, stood in for by one Triton launch."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < half
+    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
+    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + p * half + offs, w4a16_moe._silu_mul_values(gate, up), mask=mask)
 
 
 MARLIN: Marlin | None = None  # set by --marlin
@@ -385,7 +397,8 @@ def bench_moe(token_values, shapes, sglang_kernel, candidates: bool) -> list[dic
 def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     """Time each launch of the fused MoE forward (tuned tiles ``cfgs``) and the torch ops it
     replaced: the alignment (one Triton program vs about twenty torch ops), the up GEMM with
-    SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the top-k sum."""
+    SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the down GEMM
+    with the top-k sum (each counted GEMM with the zeroing of its workspace)."""
     (w13, w2), (up, down) = w, cfgs
     experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
     tokens = x.shape[0]
@@ -394,7 +407,6 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     aligned_down = [align_to_experts(r[1], experts, down.block_m) for r in rs]
     act = moe_gemm(x, w13, *aligned[0], pairs, top_k, up, silu_mul=True)
     routing = [r[0].reshape(-1) for r in rs]
-    out = moe_gemm(act, w2, *aligned_down[0], pairs, 1, down, routing[0])
 
     def torch_align(i):
         saved = w4a16_moe.ALIGN_KERNEL_MAX_PAIRS
@@ -415,10 +427,8 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
         "up_gemm_silu_fused": lambda i: moe_gemm(x, w13, *aligned[i], pairs, top_k, up,
                                                  silu_mul=True),
         "up_gemm_then_torch_silu": up_then_silu,
-        "down_gemm": lambda i: moe_gemm(act, w2, *aligned_down[i], pairs, 1, down, routing[i]),
-        "topk_sum_kernel": lambda i: _topk_sum(out, tokens, top_k),
-        "topk_sum_torch_ops": lambda i: out.view(tokens, top_k, -1).sum(
-            1, dtype=torch.float32).to(torch.bfloat16),
+        "down_gemm_topk_sum": lambda i: moe_gemm(act, w2, *aligned_down[i], pairs, 1, down,
+                                                 routing[i], sum_rows=top_k),
     }  # fmt: skip
     return {part: graph_time_us(fn, len(rs)) for part, fn in times.items()}
 
@@ -442,7 +452,8 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
     for cfg in w4a16_moe._candidates(pairs, experts, columns_of(w2), int4):
         aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
         out["down"][_short(cfg)] = graph_time_us(
-            lambda i, c=cfg, a=aligned, g=routing: moe_gemm(act, w2, *a[i], pairs, 1, c, g[i]),
+            lambda i, c=cfg, a=aligned, g=routing: moe_gemm(act, w2, *a[i], pairs, 1, c, g[i],
+                                                            sum_rows=top_k),
             len(rs),
         )  # fmt: skip
     return out

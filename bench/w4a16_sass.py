@@ -32,18 +32,17 @@ from triton.compiler import ASTSource
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 GEMM_SIGNATURE = {
     "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
+    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
     "stride_xm": "i32", "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
 MOE_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
-    "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32", "routing_ptr": "*fp32",
-    "N": "i32", "K": "i32", "num_pairs": "i32", "rows_per_x": "i32", "split_k": "i32",
-    "stride_xm": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_se": "i32",
-    "stride_sk": "i32", "stride_om": "i32",
+    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+    "routing_ptr": "*fp32", "N": "i32", "K": "i32", "num_pairs": "i32", "rows_per_x": "i32",
+    "split_k": "i32", "sum_rows": "i32", "stride_xm": "i32", "stride_we": "i32",
+    "stride_wk": "i32", "stride_se": "i32", "stride_sk": "i32",
 }  # fmt: skip
-GEMV_SIGNATURE = {**GEMM_SIGNATURE, "out_ptr": "*fp32"}  # split K adds into fp32
-NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x"}
+NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x", "sum_rows"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
     (16, 64, 128, 4, 4),
     (16, 128, 128, 4, 4),
@@ -69,14 +68,14 @@ def compile_cubin(
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
         "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap,
     }  # fmt: skip
-    if gemv:  # the tuner's choice at M = 1: K split, fp32 atomics
-        fn, sig = _w4a16_gemv_kernel, GEMV_SIGNATURE
+    if gemv:  # the tuner's choice at M = 1: K split, counted
+        fn, sig = _w4a16_gemv_kernel, GEMM_SIGNATURE
         constexprs = {"GROUP": group, "HAS_ZEROS": False, "BLOCK_N": bn, "BLOCK_R": block_k // 8,
                       "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True}  # fmt: skip
     elif moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
         constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu,
-                      "SPLIT": False}  # fmt: skip
+                      "COUNTED": False}  # fmt: skip
     else:
         fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
         constexprs = {**common, "SPLIT": False}

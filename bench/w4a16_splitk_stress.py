@@ -1,12 +1,14 @@
-"""Repeat every split-K W4A16 config many times on fresh inputs, to catch a reduction race.
+"""Repeat every counted W4A16 launch many times on fresh inputs, to catch a reduction race.
 
-A race in a split-K reduction can show up rarely (one wrong run in 128 in the v3 check of the
-reduction inside the launch, since removed), so one pass of ``bench/w4a16_check.py`` cannot clear
-one. This runs each split-K config the tuner may pick for the decode shapes ``--repeats`` times,
-each on a fresh activation (weights fixed), and counts outputs whose rel-L2 against the fp32
-reference exceeds 5e-3.
+Split K (and the MoE's CUDA-core path and top-k sum) meet inside one launch: each program adds
+its fp32 part and counts it, and the program that adds an element's last part stores it
+(``_add_counted``). A race there can show up rarely (one wrong run in 128 in the v3 check of an
+earlier design), so one pass of ``bench/w4a16_check.py`` cannot clear one. This runs every such
+config the tuners may pick for the decode shapes ``--repeats`` times, each on a fresh activation
+(the MoE: and a fresh routing), and counts outputs whose rel-L2 against the fp32 reference
+exceeds 5e-3.
 
-    python bench/w4a16_splitk_stress.py [--repeats 300] [--out DIR]
+    python bench/w4a16_splitk_stress.py [--repeats 100] [--out DIR] [--tag _counted]
 """
 
 from __future__ import annotations
@@ -17,45 +19,101 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tessera.kernels.w4a16_format import dequantize, quantize_rtn
+from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import _candidates, _run
+from tessera.kernels.w4a16_moe import _candidates as moe_candidates
+from tessera.kernels.w4a16_moe import fused_moe, fused_moe_reference
 
 SHAPES = [(16384, 7168, 128), (4608, 7168, 32)]  # (N, K, group)
 M_VALUES = (1, 4, 16)
+# (experts, hidden, expert width, top_k, tokens): all of Kimi K2's experts, one EP-8 GPU's share
+MOE_CASES = [(384, 7168, 2048, 8, 1), (384, 7168, 2048, 8, 4), (48, 7168, 2048, 1, 1),
+             (48, 7168, 2048, 1, 16)]  # fmt: skip
 TOLERANCE = 5e-3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    a = ap.parse_args()
-    torch.manual_seed(0)
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    rel = float((out.float() - ref).norm() / ref.norm())
+    return rel if rel == rel else float("inf")
+
+
+def tally(rows: list, label: str, runs: int, errors: list[float], **fields) -> None:
+    bad = sum(not e <= TOLERANCE for e in errors)
+    rows.append({**fields, "runs": runs, "bad": bad, "worst_rel_l2": max(errors)})
+    print(f"{label}: {bad}/{runs} bad, worst {max(errors):.2e}", flush=True)
+
+
+def dense_rows(repeats: int) -> list[dict]:
     rows = []
     for n, k, group in SHAPES:
         w = quantize_rtn(torch.randn(n, k, device="cuda"), group)
         dense = dequantize(w, torch.float32).T.contiguous()  # [K, N]
         for m in M_VALUES:
             for cfg in (c for c in _candidates(m, n, k) if c.split_k > 1):
-                bad, worst = 0, 0.0
-                for _ in range(a.repeats):
+                errors = []
+                for _ in range(repeats):
                     x = torch.randn(m, k, device="cuda").bfloat16()
-                    out = _run(x, w, cfg).float()
-                    ref = x.float() @ dense
-                    rel = float((out - ref).norm() / ref.norm())
-                    worst = max(worst, rel if rel == rel else float("inf"))
-                    bad += not rel <= TOLERANCE
-                rows.append({"n": n, "k": k, "group": group, "m": m, "config": asdict(cfg),
-                             "runs": a.repeats, "bad": bad, "worst_rel_l2": worst})  # fmt: skip
-                tile = f"{cfg.block_m}x{cfg.block_n} split {cfg.split_k} swap {cfg.swap}"
-                print(f"N{n} K{k} g{group} M{m} {tile}: {bad}/{a.repeats} bad, worst {worst:.2e}",
-                      flush=True)  # fmt: skip
+                    errors.append(rel_l2(_run(x, w, cfg), x.float() @ dense))
+                tile = f"{cfg.path} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}"
+                tally(rows, f"N{n} K{k} g{group} M{m} {tile}", repeats, errors,
+                      n=n, k=k, group=group, m=m, config=asdict(cfg))  # fmt: skip
+    return rows
+
+
+def random_experts(experts: int, n: int, k: int, group: int) -> W4A16Weight:
+    """Random INT4 experts ``[E, K / 8, N]``, built a few at a time (fp32 staging is large)."""
+    parts = [quantize_rtn(torch.randn(min(8, experts - e), n, k, device="cuda"), group)
+             for e in range(0, experts, 8)]  # fmt: skip
+    return W4A16Weight(torch.cat([p.qweight for p in parts]),
+                       torch.cat([p.scales for p in parts]), None, group)  # fmt: skip
+
+
+def moe_rows(repeats: int) -> list[dict]:
+    rows = []
+    for experts, hidden, inter, top_k, tokens in MOE_CASES:
+        w13 = random_experts(experts, 2 * inter, hidden, 32)
+        w2 = random_experts(experts, hidden, inter, 32)
+        pairs = tokens * top_k
+        configs = dict.fromkeys(
+            c for n in (2 * inter, hidden) for c in moe_candidates(pairs, experts, n)
+            if c.split_k > 1 or c.path == "gemv"
+        )  # fmt: skip
+        for cfg in configs:
+            errors = []
+            for _ in range(repeats):
+                x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+                ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                                   for _ in range(tokens)])  # fmt: skip
+                weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
+                used = ids.unique()
+                ref = fused_moe_reference(
+                    x, W4A16Weight(w13.qweight[used], w13.scales[used], None, 32),
+                    W4A16Weight(w2.qweight[used], w2.scales[used], None, 32), weights,
+                    torch.searchsorted(used, ids),
+                )  # fmt: skip
+                errors.append(rel_l2(fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg)),
+                                     ref))  # fmt: skip
+            tile = f"{cfg.path} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}"
+            tally(rows, f"MoE {experts}x{hidden}x{inter} top{top_k} T{tokens} {tile}", repeats,
+                  errors, experts=experts, hidden=hidden, inter=inter, top_k=top_k,
+                  tokens=tokens, config=asdict(cfg))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    rows = dense_rows(a.repeats) + moe_rows(a.repeats)
     a.out.mkdir(parents=True, exist_ok=True)
     total = sum(r["bad"] for r in rows)
     result = {"gpu": torch.cuda.get_device_name(), "tolerance": TOLERANCE, "bad_total": total,
               "runs_total": sum(r["runs"] for r in rows), "rows": rows}  # fmt: skip
-    (a.out / "w4a16_splitk_stress.json").write_text(json.dumps(result, indent=1))
-    print(f"split-K: {total} bad of {result['runs_total']} runs")
+    (a.out / f"w4a16_splitk_stress{a.tag}.json").write_text(json.dumps(result, indent=1))
+    print(f"counted reductions: {total} bad of {result['runs_total']} runs")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
 from .w4a16_gemm import (
+    _add_counted,
+    _counted_sums,
+    _counted_workspace,
     _gemv_sum,
     _split_counts,
     _w4a16_accumulate,
@@ -74,47 +77,91 @@ def _silu_mul_values(gate, up):
 
 
 @triton.jit
-def _silu_mul(acc, SWAP: tl.constexpr):
-    """``silu(gate) * up`` of an accumulator whose first half of columns (rows with ``SWAP``) is
-    gate and second half up."""
+def _gate_up(acc, SWAP: tl.constexpr):
+    """The gate and up halves of an accumulator whose first half of columns (rows with
+    ``SWAP``) is gate and second half up."""
     if SWAP:  # [2 H, BM] -> [H, BM, 2]
         halves = tl.permute(tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1])), (1, 2, 0))
     else:  # [BM, 2 H] -> [BM, H, 2]
         halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
-    gate, up = tl.split(halves)
-    return _silu_mul_values(gate, up)
+    return tl.split(halves)
 
 
 @triton.jit
-def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
-    """out[p, :half] = silu(src[p, :half]) * src[p, half:] for the split-K up GEMM's fp32 sums."""
-    p = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < half
-    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
-    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + p * half + offs, _silu_mul_values(gate, up), mask=mask)
+def _gate_up_columns(tile, out_n, BLOCK_N: tl.constexpr):
+    """A column tile's ``BLOCK_N / 2`` gate columns, then the matching up columns (``out_n``
+    further), and which of them exist."""
+    OUT_BN: tl.constexpr = BLOCK_N // 2
+    lanes = tl.arange(0, BLOCK_N)
+    col = tile * OUT_BN + lanes % OUT_BN
+    return col + (lanes // OUT_BN) * out_n, col < out_n
 
 
-@triton.jit(do_not_specialize=["num_pairs", "split_k"])
+@triton.jit
+def _grid(rows, cols, row_stride, m_mask, o_mask, SWAP: tl.constexpr):
+    """Offsets and mask of an output tile (``[cols, rows]`` with ``SWAP``)."""
+    if SWAP:
+        idx, mask = rows[None, :] * row_stride + cols[:, None], m_mask[None, :] & o_mask[:, None]
+    else:
+        idx, mask = rows[:, None] * row_stride + cols[None, :], m_mask[:, None] & o_mask[None, :]
+    return idx, mask
+
+
+@triton.jit
+def _epilogue(
+    acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr, parts,
+    sum_rows,
+    MUL_ROUTING: tl.constexpr, SILU_MUL: tl.constexpr, COUNTED: tl.constexpr,
+    SWAP: tl.constexpr,
+):  # fmt: skip
+    """Store a tile of fp32 sums for ``pairs`` as bf16: ``silu(gate) * up`` with ``SILU_MUL``,
+    times the routing weight with ``MUL_ROUTING``.
+
+    ``COUNTED``: the tile is one of ``parts`` parts of its sums (K splits, and with ``sum_rows``
+    > 1 the pairs summed into one output row: a token's top-k experts), met in the fp32 sums
+    ``ws`` (``[rows, 2 out_n]`` with ``SILU_MUL``) and the int32 counts ``cnt`` (``[rows,
+    out_n]``) by :func:`_add_counted`; the program that adds an element's last
+    part stores it, at row ``pair // sum_rows``. Gate and up are added, then counted once, by
+    the thread that holds both."""
+    if MUL_ROUTING:
+        gain = tl.load(routing_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)
+        acc = acc * (gain[None, :] if SWAP else gain[:, None])
+    rows = pairs.to(tl.int64) // sum_rows
+    idx, mask = _grid(rows, offs_o, out_n, m_mask, o_mask, SWAP)
+    if SILU_MUL:
+        gate, up = _gate_up(acc, SWAP)
+        if COUNTED:
+            sums = ws_ptr + _grid(rows, offs_o, 2 * out_n, m_mask, o_mask, SWAP)[0]
+            tl.atomic_add(sums + out_n, up, mask=mask, sem="relaxed")
+            mask = _add_counted(sums, cnt_ptr + idx, gate, mask, parts)
+            gate = _counted_sums(sums, mask)
+            up = _counted_sums(sums + out_n, mask)
+        res = _silu_mul_values(gate, up)
+    else:
+        res = acc
+        if COUNTED:
+            mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, parts)
+            res = _counted_sums(ws_ptr + idx, mask)
+    tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "split_k", "sum_rows"])
 def _moe_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
-    N, K, num_pairs, rows_per_x, split_k,
-    stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, pair_ids_ptr, block_expert_ptr,
+    routing_ptr, N, K, num_pairs, rows_per_x, split_k, sum_rows,
+    stride_xm, stride_we, stride_wk, stride_se, stride_sk,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, COUNTED: tl.constexpr = False,
 ):  # fmt: skip
-    """out[pair] = x[pair // rows_per_x] @ W_e (x routing weight) for one expert block x N tile,
-    over one of ``split_k`` parts of K (``SPLIT``: fp32 atomic adds into a zeroed ``out``).
+    """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
+    of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
 
     With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
-    ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and it stores
-    ``silu(gate) * up`` into ``out [pairs, N / 2]``, so no ``[pairs, N]`` intermediate is written.
-    SiLU needs whole sums, so it is never fused with ``SPLIT``.
+    ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and the
+    output is ``silu(gate) * up``, ``[pairs, N / 2]``: no ``[pairs, N]`` intermediate is stored.
     """
-    tl.static_assert(not (SPLIT and SILU_MUL), "SiLU-and-mul needs the whole K sum")
     pid = tl.program_id(0)
     OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     out_n = N // 2 if SILU_MUL else N
@@ -127,11 +174,8 @@ def _moe_gemm_kernel(
     m_mask = pairs < num_pairs
     offs_o = (pid % num_n) * OUT_BN + tl.arange(0, OUT_BN)
     o_mask = offs_o < out_n
-    if SILU_MUL:  # gate columns, then the matching up columns
-        lanes = tl.arange(0, BLOCK_N)
-        col = (pid % num_n) * OUT_BN + lanes % OUT_BN
-        offs_n = col + (lanes // OUT_BN) * out_n
-        n_mask = col < out_n
+    if SILU_MUL:
+        offs_n, n_mask = _gate_up_columns(pid % num_n, out_n, BLOCK_N)
     else:
         offs_n, n_mask = offs_o, o_mask
     x_rows = x_ptr + (pairs // rows_per_x).to(tl.int64)[:, None] * stride_xm
@@ -151,60 +195,50 @@ def _moe_gemm_kernel(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
             step_begin, step_end, BLOCK_K, SWAP,
         )  # fmt: skip
-    if SILU_MUL:
-        res = _silu_mul(acc, SWAP)
-    else:
-        res = acc
-    if MUL_ROUTING:
-        gain = tl.load(routing_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)
-        res = res * (gain[None, :] if SWAP else gain[:, None])
-    rows = pairs.to(tl.int64) * stride_om
-    if SWAP:
-        out = out_ptr + rows[None, :] + offs_o[:, None]
-        mask = m_mask[None, :] & o_mask[:, None]
-    else:
-        out = out_ptr + rows[:, None] + offs_o[None, :]
-        mask = m_mask[:, None] & o_mask[None, :]
-    if SPLIT:
-        tl.atomic_add(out, res, mask=mask, sem="relaxed")
-    else:
-        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(
+        acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr,
+        split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, COUNTED, SWAP,
+    )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "split_k"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "split_k", "sum_rows"])
 def _moe_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
-    N, K, num_pairs, num_blocks, rows_per_x, split_k,
-    stride_xm, stride_we, stride_wk, stride_se, stride_sk, stride_om,
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, pair_ids_ptr, block_expert_ptr,
+    routing_ptr, N, K, num_pairs, num_blocks, rows_per_x, split_k, sum_rows,
+    stride_xm, stride_we, stride_wk, stride_se, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
-    """fp32 out[pair, N tile] (+)= x[pair // rows_per_x] @ W_e (x routing weight) for one pair
-    (expert blocks of one row), one column tile and one of ``split_k`` K parts, on CUDA cores:
-    the dense GEMV's K loop (:func:`_gemv_sum`) on the pair's expert, with no tensor-core tile
-    padded to 8 rows for one. The pairs of a column tile are neighbouring programs in expert
-    order, so pairs that share an expert read its tile from L2."""
+    """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
+    one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
+    the pair's expert, with no tensor-core tile padded to 8 rows for one. The parts meet in
+    :func:`_epilogue`. The pairs of a column tile are neighbouring programs in expert order, so
+    pairs that share an expert read its tile from L2."""
     pid = tl.program_id(0)
     block = pid % num_blocks
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # a block past the last used one
         return
-    pair = tl.load(pair_ids_ptr + block).to(tl.int64)
-    offs_n = (pid // num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    res = _gemv_sum(
-        x_ptr + (pair // rows_per_x) * stride_xm, w_ptr + expert * stride_we,
-        s_ptr + expert * stride_se, z_ptr + expert * stride_se, offs_n, n_mask, K, split_k,
-        stride_wk, stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
-    )  # fmt: skip
-    if MUL_ROUTING:
-        res = res * tl.load(routing_ptr + pair).to(tl.float32)
-    out = out_ptr + pair * stride_om + offs_n
-    if SPLIT:
-        tl.atomic_add(out, res, mask=n_mask, sem="relaxed")
+    pairs = tl.load(pair_ids_ptr + block + tl.arange(0, 1))
+    OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
+    out_n = N // 2 if SILU_MUL else N
+    offs_o = (pid // num_blocks) * OUT_BN + tl.arange(0, OUT_BN)
+    o_mask = offs_o < out_n
+    if SILU_MUL:
+        offs_n, n_mask = _gate_up_columns(pid // num_blocks, out_n, BLOCK_N)
     else:
-        tl.store(out, res, mask=n_mask)
+        offs_n, n_mask = offs_o, o_mask
+    x_row = x_ptr + (tl.sum(pairs) // rows_per_x).to(tl.int64) * stride_xm
+    res = _gemv_sum(
+        x_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+        z_ptr + expert * stride_se, offs_n, n_mask, K, split_k, stride_wk, stride_sk, GROUP,
+        HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
+    )  # fmt: skip
+    _epilogue(
+        res[None, :], out_ptr, ws_ptr, cnt_ptr, pairs, pairs < num_pairs, offs_o, o_mask, out_n,
+        routing_ptr, split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, True, False,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slots", "num_blocks"])
@@ -340,69 +374,70 @@ def moe_gemm(
     config: MoeConfig,
     routing: torch.Tensor | None = None,
     silu_mul: bool = False,
+    sum_rows: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p`` -> ``[num_pairs, N]``
-    bf16, times ``routing[p]`` when given. With ``silu_mul`` the weight's columns are gate then
-    up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``."""
-    out = _moe_gemm(x, w, pair_ids, block_expert, num_pairs, rows_per_x, config, routing, silu_mul)
-    return out.to(torch.bfloat16)
+    """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p``, times
+    ``routing[p]`` when given, and each ``sum_rows`` consecutive pairs summed in fp32 (a token's
+    top-k experts) -> bf16 ``[num_pairs / sum_rows, N]``. With ``silu_mul`` the weight's
+    columns are gate then up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``.
 
-
-def _moe_gemm(x, w, pair_ids, block_expert, num_pairs, rows_per_x, config, routing, silu_mul):
-    """:func:`moe_gemm`, but with ``config.split_k > 1`` or the gemv path and no ``silu_mul``
-    the fp32 sums are returned as they are (the top-k sum reads fp32, so no cast launch)."""
+    K splits and the CUDA-core path meet in zeroed fp32 sums and int32 counts
+    (:func:`workspace_size`; made here unless ``workspace`` is given); unsplit tensor-core tiles
+    store each pair's row, summed over ``sum_rows`` by one more launch."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
-    if silu_mul and n % 2:
-        raise ValueError(f"gate and up need an even column count, got {n}")
-    split = config.split_k > 1
+    if silu_mul and (n % 2 or sum_rows != 1):
+        raise ValueError(f"SiLU-and-mul needs an even column count and no row sum, got {n}")
     gemv = config.path == "gemv"
-    fp32_sums = split or gemv  # SiLU-and-mul, if asked, then runs as its own launch
-    fused_silu = silu_mul and not fp32_sums
-    out_n, out_bn = (n // 2, config.block_n // 2) if fused_silu else (n, config.block_n)
-    if split:
-        out = torch.zeros((num_pairs, n), dtype=torch.float32, device=x.device)
-    elif gemv:
-        out = torch.empty((num_pairs, n), dtype=torch.float32, device=x.device)
+    if gemv and (not int4 or config.block_m != 1):
+        raise ValueError(f"the gemv path takes INT4 experts and block_m 1, got {config}")
+    counted = _counted(config)
+    out_n, out_bn = (n // 2, config.block_n // 2) if silu_mul else (n, config.block_n)
+    summed = sum_rows if counted else 1  # rows the kernel sums into one
+    out = torch.empty((num_pairs // summed, out_n), dtype=torch.bfloat16, device=x.device)
+    if counted:
+        sums, counts = workspace or _counted_workspace(
+            *workspace_size(num_pairs, n, silu_mul, sum_rows), x.device
+        )
     else:
-        out = torch.empty((num_pairs, out_n), dtype=torch.bfloat16, device=x.device)
+        sums, counts = out, out
     grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
+    args = (
+        x, weight, scales, zeros, out, sums, counts, pair_ids, block_expert,
+        routing if routing is not None else x,
+    )  # fmt: skip
+    common = {
+        "GROUP": group, "HAS_ZEROS": has_zeros, "MUL_ROUTING": routing is not None,
+        "BLOCK_N": config.block_n, "FAST": config.fast_decode and not interpreted(),
+        "EVEN_K": k % config.block_k == 0, "EVEN_N": out_n % out_bn == 0, "SILU_MUL": silu_mul,
+        "num_warps": config.num_warps,
+    }  # fmt: skip
     if gemv:
-        if not int4 or config.block_m != 1:
-            raise ValueError(f"the gemv path takes INT4 experts and block_m 1, got {config}")
         _moe_gemv_kernel[grid](
-            x, weight, scales, zeros, out, pair_ids, block_expert,
-            routing if routing is not None else x,
-            n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k,
-            x.stride(0), swe, swk, sse, ssk, out.stride(0),
-            GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
-            BLOCK_N=config.block_n, BLOCK_R=config.block_k // 8, SPLIT=split,
-            FAST=config.fast_decode and not interpreted(),
-            EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-            num_warps=config.num_warps, num_stages=1,
+            *args, n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k, summed,
+            x.stride(0), swe, swk, sse, ssk,
+            BLOCK_R=config.block_k // 8, num_stages=1, **common,
         )  # fmt: skip
     else:
         _moe_gemm_kernel[grid](
-            x, weight, scales, zeros, out, pair_ids, block_expert,
-            routing if routing is not None else x,
-            n, k, num_pairs, rows_per_x, config.split_k,
-            x.stride(0), swe, swk, sse, ssk, out.stride(0),
-            INT4=int4, GROUP=group, HAS_ZEROS=has_zeros, MUL_ROUTING=routing is not None,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            FAST=config.fast_decode and not interpreted(),
-            EVEN_K=k % config.block_k == 0, EVEN_N=out_n % out_bn == 0, SWAP=config.swap,
-            SILU_MUL=fused_silu, SPLIT=split,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            *args, n, k, num_pairs, rows_per_x, config.split_k, summed,
+            x.stride(0), swe, swk, sse, ssk,
+            INT4=int4, BLOCK_M=config.block_m, BLOCK_K=config.block_k, SWAP=config.swap,
+            COUNTED=counted, num_stages=config.num_stages, **common,
         )  # fmt: skip
-    if not (fp32_sums and silu_mul):
-        return out
-    act = torch.empty((num_pairs, n // 2), dtype=torch.bfloat16, device=x.device)
-    block = 1024
-    _silu_mul_rows_kernel[(num_pairs, triton.cdiv(n // 2, block))](
-        out, act, n // 2, BLOCK=block, num_warps=4
-    )
-    return act
+    if sum_rows > summed:
+        return _topk_sum(out, num_pairs // sum_rows, sum_rows)
+    return out
+
+
+def workspace_size(num_pairs: int, n: int, silu_mul: bool, sum_rows: int) -> tuple[int, int]:
+    """(fp32 sums, int32 counts) a counted :func:`moe_gemm` needs: one count per output
+    element, and gate and up sums with ``silu_mul``."""
+    rows = num_pairs // sum_rows
+    out_n = n // 2 if silu_mul else n
+    return rows * n, rows * out_n
 
 
 def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
@@ -451,6 +486,25 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     return small + swapped + split + gemv
 
 
+def _counted(config: MoeConfig) -> bool:
+    return config.split_k > 1 or config.path == "gemv"
+
+
+def _shared_workspace(device, *gemms):
+    """One zeroed buffer for the counted GEMMs among ``(config, workspace_size)`` pairs, split
+    into each one's (sums, counts); None for the others."""
+    sizes = [size if _counted(cfg) else (0, 0) for cfg, size in gemms]
+    total = sum(sums + counts for sums, counts in sizes)
+    if not total:
+        return [None] * len(gemms)
+    buf = torch.zeros(total, dtype=torch.float32, device=device)
+    out, at = [], 0
+    for s, c in sizes:
+        out.append((buf[at : at + s], buf[at + s : at + s + c].view(torch.int32)) if s else None)
+        at += s + c
+    return out
+
+
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
     return (w.qweight if isinstance(w, W4A16Weight) else w).shape[0]
 
@@ -481,15 +535,22 @@ def fused_moe(
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
-        # four launches: align, up GEMM with SiLU-and-mul, down GEMM x routing, top-k sum;
-        # split K adds the zeroing of the fp32 sums and a SiLU-and-mul launch
+        # launches: align, one zeroing of the workspace (when a GEMM is counted: K splits or
+        # the CUDA-core path), up GEMM with SiLU-and-mul, down GEMM x routing with the top-k
+        # sum (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        act = _moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, None, True)
+        up_ws, down_ws = _shared_workspace(
+            x.device,
+            (up_cfg, workspace_size(num_pairs, _weight_args(w13)[7], True, 1)),
+            (down_cfg, workspace_size(num_pairs, _weight_args(w2)[7], False, top_k)),
+        )
+        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg,
+                       silu_mul=True, workspace=up_ws)  # fmt: skip
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
-        out = _moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing, False)
-        return _topk_sum(out, tokens, top_k)
+        return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,
+                        sum_rows=top_k, workspace=down_ws)  # fmt: skip
 
     if configs is None:
         if interpreted():

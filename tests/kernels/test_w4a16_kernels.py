@@ -241,9 +241,11 @@ def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
 
 @pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
 def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
-    """K split over programs (fp32 atomics): the up GEMM's SiLU-and-mul becomes its own launch
-    and the top-k sum reads the down GEMM's fp32 sums. The up GEMM's K (384) is 3 steps: split 2
-    gives parts of 2 and 1 steps, split 4 an empty part; the down GEMM's K (96) is one step."""
+    """K split over programs, met in counted fp32 sums inside the launch: the program that adds
+    the last part of a gate/up pair applies SiLU-and-mul, the one that adds the last part of a
+    token's down row (its top-k pairs times the splits) stores it. The up GEMM's K (384) is 3
+    steps: split 2 gives parts of 2 and 1 steps, split 4 an empty part; the down GEMM's K (96)
+    is one step."""
     experts, hidden, inter, tokens, top_k = 5, 384, 96, 3, 2
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
                                         symmetric, seed=4)  # fmt: skip
@@ -285,18 +287,30 @@ def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
         fused_moe(x, b13, w2, weights, ids, configs=(wide, wide))
 
 
-def test_moe_gemm_split_k_returns_bf16():
-    """The public ``moe_gemm`` keeps its bf16 result when K is split (the fp32 sums are cast)."""
+@pytest.mark.parametrize(
+    "cfg",
+    [MoeConfig(block_m=8, block_n=32, swap=True, split_k=2), MoeConfig(block_n=32, split_k=4),
+     MoeConfig(1, 64, 64, split_k=3, path="gemv"), MoeConfig(block_m=8, block_n=32, swap=True)],
+)  # fmt: skip
+def test_moe_gemm_sums_rows(cfg):
+    """The public ``moe_gemm``: each pair's bf16 row, and with ``sum_rows`` each token's rows
+    summed (counted inside the launch for K splits and the gemv path: up to 3 x 4 = 12 parts an
+    element; one more launch for an unsplit tile), with the routing weights."""
     w = make_weight((3, 64, 256), 32, True, seed=5)
     x = make_x(4, 256, seed=6)
-    ids = torch.tensor([[0], [2], [2], [1]], device=DEVICE)
-    pair_ids, block_expert = align_to_experts(ids, 3, 8)
-    cfg = MoeConfig(block_m=8, block_n=32, swap=True, split_k=2)
-    out = moe_module.moe_gemm(x, w, pair_ids, block_expert, 4, 1, cfg)
+    ids = torch.tensor([[0, 2, 1], [2, 1, 0], [2, 0, 1], [1, 2, 0]], device=DEVICE)
+    gains = torch.rand(4, 3, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    pair_ids, block_expert = align_to_experts(ids, 3, cfg.block_m)
     dense = dequantize(w, torch.float32)  # [E, N, K]
-    ref = torch.stack([x[p].float() @ dense[ids[p, 0]].T for p in range(4)])
-    assert out.dtype == torch.bfloat16 and out.shape == (4, 64)
-    assert rel_l2(out, ref) <= REL_L2
+    rows = torch.stack([x[p // 3].float() @ dense[ids.flatten()[p]].T for p in range(12)])
+    out = moe_module.moe_gemm(x, w, pair_ids, block_expert, 12, 3, cfg)
+    assert out.dtype == torch.bfloat16 and out.shape == (12, 64)
+    assert rel_l2(out, rows) <= REL_L2
+    routed = rows * gains.flatten()[:, None]
+    summed = moe_module.moe_gemm(x, w, pair_ids, block_expert, 12, 3, cfg, gains.flatten(),
+                                 sum_rows=3)  # fmt: skip
+    assert summed.shape == (4, 64)
+    assert rel_l2(summed, routed.view(4, 3, 64).sum(1)) <= REL_L2
 
 
 def test_fused_moe_rejects_mismatched_routing():
