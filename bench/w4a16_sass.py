@@ -66,12 +66,13 @@ def compile_cubin(
     block_k = rest[1] if len(rest) > 1 else 128
     common = {
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
-        "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap,
+        "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap, "FENCE": True,
     }  # fmt: skip
     if gemv:  # the tuner's choice at M = 1: K split, counted
         fn, sig = _w4a16_gemv_kernel, GEMM_SIGNATURE
         constexprs = {"GROUP": group, "HAS_ZEROS": False, "BLOCK_N": bn, "BLOCK_R": block_k // 8,
-                      "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True}  # fmt: skip
+                      "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True,
+                      "FENCE": True}  # fmt: skip
     elif moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
         constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu,

@@ -61,8 +61,10 @@ def dense_rows(repeats: int) -> list[dict]:
 
 
 def random_experts(experts: int, n: int, k: int, group: int) -> W4A16Weight:
-    """Random INT4 experts ``[E, K / 8, N]``, built a few at a time (fp32 staging is large)."""
-    parts = [quantize_rtn(torch.randn(min(8, experts - e), n, k, device="cuda"), group)
+    """Random INT4 experts ``[E, K / 8, N]`` scaled like a trained layer's (std 1 / sqrt(K), so
+    the activations stay near 1: the CUDA-core path multiplies in fp16), built a few at a time
+    (the fp32 staging is large)."""
+    parts = [quantize_rtn(torch.randn(min(8, experts - e), n, k, device="cuda") / k**0.5, group)
              for e in range(0, experts, 8)]  # fmt: skip
     return W4A16Weight(torch.cat([p.qweight for p in parts]),
                        torch.cat([p.scales for p in parts]), None, group)  # fmt: skip
@@ -105,9 +107,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    ap.add_argument("--only", choices=["dense", "moe"], help="run one half")
     a = ap.parse_args()
     torch.manual_seed(0)
-    rows = dense_rows(a.repeats) + moe_rows(a.repeats)
+    rows = (dense_rows(a.repeats) if a.only != "moe" else []) + (
+        moe_rows(a.repeats) if a.only != "dense" else []
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     total = sum(r["bad"] for r in rows)
     result = {"gpu": torch.cuda.get_device_name(), "tolerance": TOLERANCE, "bad_total": total,

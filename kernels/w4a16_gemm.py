@@ -269,21 +269,38 @@ def _w4a16_accumulate(
 
 
 @triton.jit
-def _add_counted(sums, counts, part, mask, parts):
+def _gpu_fence(x, FENCE: tl.constexpr):
+    """``x`` after a ``fence.acq_rel.gpu`` in this thread; the result carries the order to
+    whatever is computed from it. Without ``FENCE`` (the interpreter, which runs programs one
+    after another and has no PTX) just ``x``."""
+    if FENCE:
+        x = tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
     """Split K inside one launch: add this program's fp32 ``part`` at ``sums`` (zeroed by the
     caller) and count it at ``counts`` (int32, zeroed); returns where this program added an
     element's last of ``parts`` parts, the elements it then stores (:func:`_counted_sums`).
 
-    Every element has its own count, and every thread learns from its own acquire-release
-    increment whether it was last: no value is broadcast to the program through shared memory.
-    The barrier puts all of the program's adds before any of its counts (the compiler may give
-    the adds and the counts different thread layouts); the counts' release then makes them
-    visible GPU-wide, the way a cooperative grid sync orders a block's writes. A count per tile
-    instead (one thread's increment, its result broadcast) returned wrong tiles in 975 of 4,700
-    runs on the H200 (bench/results/w4a16_splitk_stress_fused.json)."""
+    Every element has its own count, and every thread learns from its own increments whether it
+    was last: no value is broadcast to the program through shared memory. The barrier puts all
+    of the program's adds before any of its counts (the compiler may give the adds and the
+    counts different thread layouts), and one GPU fence per thread on each side makes them a
+    release and an acquire (acquire-release atomics instead put a fence before every count and
+    made M = 16 2x slower). A count per tile instead (one thread's increment, its result
+    broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
+    (bench/results/w4a16_splitk_stress_fused.json)."""
     tl.atomic_add(sums, part, mask=mask, sem="relaxed")
     tl.debug_barrier()
-    return mask & (tl.atomic_add(counts, 1, mask=mask, sem="acq_rel") == parts - 1)
+    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)  # release: every add of the program first
+    arrived = tl.atomic_add(counts + zero, 1, mask=mask, sem="relaxed")
+    zero = _gpu_fence(tl.min(arrived) * 0, FENCE)  # acquire: after every count
+    return mask & (arrived + zero == parts - 1)
 
 
 @triton.jit
@@ -303,7 +320,7 @@ def _w4a16_gemm_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SWAP: tl.constexpr = False,
+    SWAP: tl.constexpr = False, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """out[M, N] = x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
     splits (``SPLIT``: ``split_k > 1``; the splits meet in :func:`_add_counted`)."""
@@ -329,7 +346,7 @@ def _w4a16_gemm_kernel(
         idx = offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        o_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, o_mask, split_k)
+        o_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, o_mask, split_k, FENCE)
         acc = _counted_sums(ws_ptr + idx, o_mask)
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -511,7 +528,7 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """out[m, N tile] = x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts (met in :func:`_add_counted`), without tensor cores
@@ -527,7 +544,7 @@ def _w4a16_gemv_kernel(
     )  # fmt: skip
     idx = m * stride_om + offs_n
     if SPLIT:
-        n_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, res, n_mask, split_k)
+        n_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, res, n_mask, split_k, FENCE)
         res = _counted_sums(ws_ptr + idx, n_mask)
     tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -675,7 +692,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         "GROUP": w.group_size, "HAS_ZEROS": w.zeros is not None, "BLOCK_N": cfg.block_n,
         "SPLIT": split, "FAST": cfg.fast_decode and not interpreted(),
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
-        "num_warps": cfg.num_warps,
+        "FENCE": not interpreted(), "num_warps": cfg.num_warps,
     }  # fmt: skip
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](

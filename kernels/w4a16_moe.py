@@ -112,7 +112,7 @@ def _epilogue(
     acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr, parts,
     sum_rows,
     MUL_ROUTING: tl.constexpr, SILU_MUL: tl.constexpr, COUNTED: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, FENCE: tl.constexpr,
 ):  # fmt: skip
     """Store a tile of fp32 sums for ``pairs`` as bf16: ``silu(gate) * up`` with ``SILU_MUL``,
     times the routing weight with ``MUL_ROUTING``.
@@ -133,14 +133,14 @@ def _epilogue(
         if COUNTED:
             sums = ws_ptr + _grid(rows, offs_o, 2 * out_n, m_mask, o_mask, SWAP)[0]
             tl.atomic_add(sums + out_n, up, mask=mask, sem="relaxed")
-            mask = _add_counted(sums, cnt_ptr + idx, gate, mask, parts)
+            mask = _add_counted(sums, cnt_ptr + idx, gate, mask, parts, FENCE)
             gate = _counted_sums(sums, mask)
             up = _counted_sums(sums + out_n, mask)
         res = _silu_mul_values(gate, up)
     else:
         res = acc
         if COUNTED:
-            mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, parts)
+            mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, parts, FENCE)
             res = _counted_sums(ws_ptr + idx, mask)
     tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -154,6 +154,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, COUNTED: tl.constexpr = False,
+    FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
     of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
@@ -197,7 +198,7 @@ def _moe_gemm_kernel(
         )  # fmt: skip
     _epilogue(
         acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr,
-        split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, COUNTED, SWAP,
+        split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, COUNTED, SWAP, FENCE,
     )  # fmt: skip
 
 
@@ -209,6 +210,7 @@ def _moe_gemv_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
+    FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
     one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
@@ -237,7 +239,7 @@ def _moe_gemv_kernel(
     )  # fmt: skip
     _epilogue(
         res[None, :], out_ptr, ws_ptr, cnt_ptr, pairs, pairs < num_pairs, offs_o, o_mask, out_n,
-        routing_ptr, split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, True, False,
+        routing_ptr, split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, True, False, FENCE,
     )  # fmt: skip
 
 
@@ -412,7 +414,7 @@ def moe_gemm(
         "GROUP": group, "HAS_ZEROS": has_zeros, "MUL_ROUTING": routing is not None,
         "BLOCK_N": config.block_n, "FAST": config.fast_decode and not interpreted(),
         "EVEN_K": k % config.block_k == 0, "EVEN_N": out_n % out_bn == 0, "SILU_MUL": silu_mul,
-        "num_warps": config.num_warps,
+        "FENCE": not interpreted(), "num_warps": config.num_warps,
     }  # fmt: skip
     if gemv:
         _moe_gemv_kernel[grid](
