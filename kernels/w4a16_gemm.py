@@ -18,8 +18,7 @@ offset when a group spans the whole K step, and the scale then multiplies the
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
 counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
-Split-K gives small N enough programs to fill the GPU; the splits meet inside the launch (fp32
-atomic adds, each element counted, the last adder stores it). For large M the launcher can
+Split-K (fp32 atomics) gives small N enough programs to fill the GPU. For large M the launcher can
 instead dequantize to bf16 once and call cuBLAS; which path and tile to use is measured once per
 (M bucket, N, K, group, zeros, device) and cached (:func:`w4a16_matmul`).
 """
@@ -268,62 +267,24 @@ def _w4a16_accumulate(
     return acc
 
 
-@triton.jit
-def _gpu_fence(x, FENCE: tl.constexpr):
-    """``x`` after a ``fence.acq_rel.gpu`` in this thread; the result carries the order to
-    whatever is computed from it. Without ``FENCE`` (the interpreter, which runs programs one
-    after another and has no PTX) just ``x``."""
-    if FENCE:
-        x = tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    return x
-
-
-@triton.jit
-def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
-    """Split K inside one launch: add this program's fp32 ``part`` at ``sums`` (zeroed by the
-    caller) and count it at ``counts`` (int32, zeroed); returns where this program added an
-    element's last of ``parts`` parts, the elements it then stores (:func:`_counted_sums`).
-
-    Every element has its own count, and every thread learns from its own increments whether it
-    was last: no value is broadcast to the program through shared memory. The barrier puts all
-    of the program's adds before any of its counts (the compiler may give the adds and the
-    counts different thread layouts), and one GPU fence per thread on each side makes them a
-    release and an acquire (acquire-release atomics instead put a fence before every count and
-    made M = 16 2x slower). A count per tile instead (one thread's increment, its result
-    broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
-    (bench/results/w4a16_splitk_stress_fused.json)."""
-    tl.atomic_add(sums, part, mask=mask, sem="relaxed")
-    tl.debug_barrier()
-    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)  # release: every add of the program first
-    arrived = tl.atomic_add(counts + zero, 1, mask=mask, sem="relaxed")
-    zero = _gpu_fence(tl.min(arrived) * 0, FENCE)  # acquire: after every count
-    return mask & (arrived + zero == parts - 1)
-
-
-@triton.jit
-def _counted_sums(sums, last):
-    """The whole sums where ``last`` (read at L2, where the atomics were performed), 0
-    elsewhere."""
-    total = tl.atomic_add(sums, tl.zeros(sums.shape, tl.float32), mask=last, sem="relaxed")
-    return tl.where(last, total, 0.0)
-
-
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SWAP: tl.constexpr = False, FENCE: tl.constexpr = True,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
-    """out[M, N] = x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
-    splits (``SPLIT``: ``split_k > 1``; the splits meet in :func:`_add_counted`)."""
+    """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
+    splits (``SPLIT``: ``split_k > 1``).
+
+    Split K: every split adds into an fp32 ``out`` (zeroed, then cast by the caller). The MoE
+    meets its splits inside the launch instead (``w4a16_moe._add_counted``); here that measured
+    slower from M = 16.
+    """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
     # first read its weights from L2
@@ -345,10 +306,11 @@ def _w4a16_gemm_kernel(
     else:
         idx = offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT:
-        o_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, o_mask, split_k, FENCE)
-        acc = _counted_sums(ws_ptr + idx, o_mask)
-    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    out = out_ptr + idx
+    if not SPLIT:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
 
 
 # CUDA-core decode for one token (the GEMV path). Nibbles 0 and 4 of a word are
@@ -523,17 +485,16 @@ def _gemv_sum(
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FENCE: tl.constexpr = True,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
-    """out[m, N tile] = x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
-    of ``split_k`` K parts (met in :func:`_add_counted`), without tensor cores
-    (:func:`_gemv_sum`). The tokens of a column tile are neighbouring programs, so all but the
-    first read it from L2."""
+    """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
+    of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
+    tile are neighbouring programs, so all but the first read it from L2."""
     pid = tl.program_id(0)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -542,11 +503,11 @@ def _w4a16_gemv_kernel(
         x_ptr + m * stride_xm, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk,
         stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
-    idx = m * stride_om + offs_n
+    out = out_ptr + m * stride_om + offs_n
     if SPLIT:
-        n_mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, res, n_mask, split_k, FENCE)
-        res = _counted_sums(ws_ptr + idx, n_mask)
-    tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.atomic_add(out, res, mask=n_mask, sem="relaxed")
+    else:
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -669,30 +630,25 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
     return out
 
 
-def _counted_workspace(sums: int, counts: int, device: torch.device):
-    """fp32 sums and int32 counts for :func:`_add_counted`, zeroed together (one memset)."""
-    ws = torch.zeros(sums + counts, dtype=torch.float32, device=device)
-    return ws[:sums], ws[sums:].view(torch.int32)
-
-
 def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
-    split = cfg.split_k > 1
-    out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
-    # split K: fp32 sums and int32 counts, zeroed together (one memset)
-    ws, counts = _counted_workspace(m * w.n, m * w.n, x.device) if split else (out, out)
+    split = cfg.split_k > 1  # fp32 atomics into a zeroed output, cast afterwards
+    if split:
+        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     args = (
-        x, w.qweight, w.scales, zeros, out, ws, counts, m, w.n, w.k, cfg.split_k,
+        x, w.qweight, w.scales, zeros, out, m, w.n, w.k, cfg.split_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
     )  # fmt: skip
     common = {
         "GROUP": w.group_size, "HAS_ZEROS": w.zeros is not None, "BLOCK_N": cfg.block_n,
         "SPLIT": split, "FAST": cfg.fast_decode and not interpreted(),
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
-        "FENCE": not interpreted(), "num_warps": cfg.num_warps,
+        "num_warps": cfg.num_warps,
     }  # fmt: skip
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
@@ -704,7 +660,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
             *args, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
             num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    return out
+    return out.to(torch.bfloat16)  # no copy when unsplit
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}

@@ -24,9 +24,6 @@ import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
 from .w4a16_gemm import (
-    _add_counted,
-    _counted_sums,
-    _counted_workspace,
     _gemv_sum,
     _split_counts,
     _w4a16_accumulate,
@@ -105,6 +102,54 @@ def _grid(rows, cols, row_stride, m_mask, o_mask, SWAP: tl.constexpr):
     else:
         idx, mask = rows[:, None] * row_stride + cols[None, :], m_mask[:, None] & o_mask[None, :]
     return idx, mask
+
+
+@triton.jit
+def _gpu_fence(x, FENCE: tl.constexpr):
+    """``x`` after a ``fence.acq_rel.gpu`` in this thread; the result carries the order to
+    whatever is computed from it. Without ``FENCE`` (the interpreter, which runs programs one
+    after another and has no PTX) just ``x``."""
+    if FENCE:
+        x = tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
+    """K splits and a token's top-k rows meet inside one launch: add this program's fp32 ``part``
+    at ``sums`` (zeroed by the caller) and count it at ``counts`` (int32, zeroed); returns where
+    this program added an element's last of ``parts`` parts, the elements it then stores
+    (:func:`_counted_sums`). At decode sizes this saves the launches of a separate
+    SiLU-and-mul, top-k sum and second zeroing; for the dense GEMM from M = 16 the counts cost
+    more than the launches they save (N 16384, M 16: 42.2 against 36.8 us), so it keeps fp32
+    atomics into zeroed sums and a cast.
+
+    Every element has its own count, and every thread learns from its own increments whether it
+    was last: no value is broadcast to the program through shared memory. The barrier puts all
+    of the program's adds before any of its counts (the compiler may give the adds and the
+    counts different thread layouts), and one GPU fence per thread on each side makes them a
+    release and an acquire (acquire-release atomics instead put a fence before every count and
+    made M = 16 2x slower). A count per tile instead (one thread's increment, its result
+    broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
+    (bench/results/w4a16_splitk_stress_fused.json)."""
+    tl.atomic_add(sums, part, mask=mask, sem="relaxed")
+    tl.debug_barrier()
+    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)  # release: every add of the program first
+    arrived = tl.atomic_add(counts + zero, 1, mask=mask, sem="relaxed")
+    zero = _gpu_fence(tl.min(arrived) * 0, FENCE)  # acquire: after every count
+    return mask & (arrived + zero == parts - 1)
+
+
+@triton.jit
+def _counted_sums(sums, last):
+    """The whole sums where ``last`` (read at L2, where the atomics were performed), 0
+    elsewhere."""
+    total = tl.atomic_add(sums, tl.zeros(sums.shape, tl.float32), mask=last, sem="relaxed")
+    return tl.where(last, total, 0.0)
+
 
 
 @triton.jit
@@ -352,6 +397,12 @@ def align_to_experts(
     )
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return pair_ids, block_expert
+
+
+def _counted_workspace(sums: int, counts: int, device: torch.device) -> tuple:
+    """fp32 sums and int32 counts for :func:`_add_counted`, zeroed together (one memset)."""
+    ws = torch.zeros(sums + counts, dtype=torch.float32, device=device)
+    return ws[:sums], ws[sums:].view(torch.int32)
 
 
 def _weight_args(w: W4A16Weight | torch.Tensor) -> tuple:
