@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from tessera.kernels import w4a16_moe as moe_module
-from tessera.kernels.w4a16_format import dequantize, quantize_rtn
+from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
     w4a16_dequantize,
@@ -354,16 +354,28 @@ def test_fused_moe_gemv_real_width(experts, tokens, split):
     """The gemv path with its fp16x2 PTX decode at Kimi K2's expert shapes (group 32): one
     EP-8 GPU's 48 experts and all 384, one pair and several pairs an expert."""
     hidden, inter, top_k = 7168, 2048, 8 if experts == 384 else 1
-    w13 = make_weight((experts, 2 * inter, hidden), 32, True, seed=4)
-    w2 = make_weight((experts, hidden, inter), 32, True, seed=5)
-    x = make_x(tokens, hidden, seed=6) / 4
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
-    ids, weights = ids.cuda(), weights.cuda()
+    g = torch.Generator(device="cuda").manual_seed(4)
+
+    def experts_int4(n, k):  # drawn on the GPU (384 experts would take minutes on the CPU)
+        codes = torch.randint(-(2**31), 2**31 - 1, (experts, k // 8, n), generator=g,
+                              dtype=torch.int32, device="cuda")  # fmt: skip
+        scales = (torch.rand(experts, k // 32, n, generator=g, device="cuda") + 0.5) / k**0.5
+        return W4A16Weight(codes, scales.to(torch.bfloat16) / 4, None, 32)
+
+    w13, w2 = experts_int4(2 * inter, hidden), experts_int4(hidden, inter)
+    x = make_x(tokens, hidden, seed=6)
+    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
+                       for _ in range(tokens)])  # fmt: skip
+    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
     cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv")
     out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
-    assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
+    used = ids.unique()  # the reference dequantizes only the experts used
+
+    def sliced(w):
+        return W4A16Weight(w.qweight[used], w.scales[used], None, 32)
+
+    ref = fused_moe_reference(x, sliced(w13), sliced(w2), weights, torch.searchsorted(used, ids))
+    assert rel_l2(out, ref) <= REL_L2
 
 
 @gpu
