@@ -123,16 +123,15 @@ def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
     at ``sums`` (zeroed by the caller) and count it at ``counts`` (int32, zeroed); returns where
     this program added an element's last of ``parts`` parts, the elements it then stores
     (:func:`_counted_sums`). At decode sizes this saves the launches of a separate
-    SiLU-and-mul, top-k sum and second zeroing; for the dense GEMM from M = 16 the counts cost
-    more than the launches they save (N 16384, M 16: 42.2 against 36.8 us), so it keeps fp32
-    atomics into zeroed sums and a cast.
+    SiLU-and-mul, top-k sum and second zeroing (the dense GEMM, measured slower with it from
+    M = 16, keeps fp32 atomics into zeroed sums and a cast).
 
     Every element has its own count, and every thread learns from its own increments whether it
     was last: no value is broadcast to the program through shared memory. The barrier puts all
     of the program's adds before any of its counts (the compiler may give the adds and the
     counts different thread layouts), and one GPU fence per thread on each side makes them a
-    release and an acquire (acquire-release atomics instead put a fence before every count and
-    made M = 16 2x slower). A count per tile instead (one thread's increment, its result
+    release and an acquire (acquire-release atomics put a fence before every count: the dense
+    GEMM at M = 16 took 1.6x). A count per tile instead (one thread's increment, its result
     broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
     (bench/results/w4a16_splitk_stress_fused.json)."""
     tl.atomic_add(sums, part, mask=mask, sem="relaxed")
@@ -341,9 +340,9 @@ class MoeConfig:
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
     swap: bool = False  # weights as the dot's first operand (8-row expert blocks possible)
-    split_k: int = 1  # K parts added with fp32 atomics (SiLU-and-mul then runs as its own launch)
+    split_k: int = 1  # K parts, met inside the launch (:func:`_add_counted`)
     # "triton": tensor-core expert blocks; "gemv": one pair a program on CUDA cores (block_m 1,
-    # block_k / 8 word rows a step, fp32 sums, SiLU-and-mul as its own launch)
+    # block_k / 8 word rows a step, its fp32 sums met like K parts)
     path: str = "triton"
 
 
@@ -399,12 +398,6 @@ def align_to_experts(
     return pair_ids, block_expert
 
 
-def _counted_workspace(sums: int, counts: int, device: torch.device) -> tuple:
-    """fp32 sums and int32 counts for :func:`_add_counted`, zeroed together (one memset)."""
-    ws = torch.zeros(sums + counts, dtype=torch.float32, device=device)
-    return ws[:sums], ws[sums:].view(torch.int32)
-
-
 def _weight_args(w: W4A16Weight | torch.Tensor) -> tuple:
     """(weight, scales, zeros, strides, INT4, GROUP, HAS_ZEROS, N, K) for the kernel."""
     if isinstance(w, W4A16Weight):
@@ -451,9 +444,9 @@ def moe_gemm(
     summed = sum_rows if counted else 1  # rows the kernel sums into one
     out = torch.empty((num_pairs // summed, out_n), dtype=torch.bfloat16, device=x.device)
     if counted:
-        sums, counts = workspace or _counted_workspace(
-            *workspace_size(num_pairs, n, silu_mul, sum_rows), x.device
-        )
+        sums, counts = workspace or _shared_workspace(
+            x.device, (config, workspace_size(num_pairs, n, silu_mul, sum_rows))
+        )[0]
     else:
         sums, counts = out, out
     grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
@@ -544,8 +537,8 @@ def _counted(config: MoeConfig) -> bool:
 
 
 def _shared_workspace(device, *gemms):
-    """One zeroed buffer for the counted GEMMs among ``(config, workspace_size)`` pairs, split
-    into each one's (sums, counts); None for the others."""
+    """One zeroed buffer (one memset) for the counted GEMMs among ``(config, workspace_size)``
+    pairs, split into each one's fp32 sums and int32 counts; None for the others."""
     sizes = [size if _counted(cfg) else (0, 0) for cfg, size in gemms]
     total = sum(sums + counts for sums, counts in sizes)
     if not total:
@@ -586,6 +579,8 @@ def fused_moe(
         raise ValueError("w13 and w2 must hold the same number of experts")
     num_pairs = tokens * top_k
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
+    up_size = workspace_size(num_pairs, _weight_args(w13)[7], True, 1)
+    down_size = workspace_size(num_pairs, _weight_args(w2)[7], False, top_k)
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
         # launches: align, one zeroing of the workspace (when a GEMM is counted: K splits or
@@ -593,11 +588,7 @@ def fused_moe(
         # sum (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        up_ws, down_ws = _shared_workspace(
-            x.device,
-            (up_cfg, workspace_size(num_pairs, _weight_args(w13)[7], True, 1)),
-            (down_cfg, workspace_size(num_pairs, _weight_args(w2)[7], False, top_k)),
-        )
+        up_ws, down_ws = _shared_workspace(x.device, (up_cfg, up_size), (down_cfg, down_size))
         act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg,
                        silu_mul=True, workspace=up_ws)  # fmt: skip
         if down_cfg.block_m != up_cfg.block_m:
