@@ -444,12 +444,12 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
     int4 = isinstance(w13, W4A16Weight)
     routing = [r[0].reshape(-1) for r in rs]
     out = {"up": {}, "down": {}}
-    for cfg in w4a16_moe._candidates(pairs, experts, columns_of(w13), int4):
+    for cfg in w4a16_moe._candidates(pairs, experts, w4a16_moe._num_columns(w13), int4):
         aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
         out["up"][_short(cfg)] = graph_time_us(
             lambda i, c=cfg, a=aligned: moe_gemm(xs[i], w13, *a[i], pairs, top_k, c,
                                                  silu_mul=True), len(rs))  # fmt: skip
-    for cfg in w4a16_moe._candidates(pairs, experts, columns_of(w2), int4):
+    for cfg in w4a16_moe._candidates(pairs, experts, w4a16_moe._num_columns(w2), int4):
         aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
         out["down"][_short(cfg)] = graph_time_us(
             lambda i, c=cfg, a=aligned, g=routing: moe_gemm(act, w2, *a[i], pairs, 1, c, g[i],
@@ -457,11 +457,6 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
             len(rs),
         )  # fmt: skip
     return out
-
-
-def columns_of(w) -> int:
-    """An expert weight's output columns (INT4 or bf16 ``[E, K, N]``)."""
-    return w.n if isinstance(w, W4A16Weight) else w.shape[2]
 
 
 def bench_moe_shape(

@@ -555,6 +555,11 @@ def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
     return (w.qweight if isinstance(w, W4A16Weight) else w).shape[0]
 
 
+def _num_columns(w: W4A16Weight | torch.Tensor) -> int:
+    """An expert weight's output columns ``N`` (INT4, or bf16 ``[E, K, N]``)."""
+    return w.n if isinstance(w, W4A16Weight) else w.shape[2]
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: W4A16Weight | torch.Tensor,
@@ -579,8 +584,8 @@ def fused_moe(
         raise ValueError("w13 and w2 must hold the same number of experts")
     num_pairs = tokens * top_k
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
-    up_size = workspace_size(num_pairs, _weight_args(w13)[7], True, 1)
-    down_size = workspace_size(num_pairs, _weight_args(w2)[7], False, top_k)
+    up_size = workspace_size(num_pairs, _num_columns(w13), True, 1)
+    down_size = workspace_size(num_pairs, _num_columns(w2), False, top_k)
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
         # launches: align, one zeroing of the workspace (when a GEMM is counted: K splits or
@@ -611,9 +616,9 @@ def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig
     tiles = _candidates(num_pairs, num_experts)
     mid = tiles[len(tiles) // 2]
     int4 = kind == "int4"
-    up_cands = _candidates(num_pairs, num_experts, _weight_args(w13)[7], int4)
+    up_cands = _candidates(num_pairs, num_experts, _num_columns(w13), int4)
     up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run)[0]
-    down_cands = _candidates(num_pairs, num_experts, _weight_args(w2)[7], int4)
+    down_cands = _candidates(num_pairs, num_experts, _num_columns(w2), int4)
     return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run)
 
 
