@@ -7,11 +7,13 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
   latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our paged MLA
   decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router GEMM and top-k; the shared
   expert; the routed experts of the one GPU that finishes the layer last (routing drawn at
-  random, ``critical_share``): INT4 through our ``fused_moe``, FP8 through SGLang's own Triton
-  fused-MoE kernel with block-scaled w8a8, taken from its source file.
+  random, ``critical_share``): INT4 through our ``fused_moe`` (or SGLang's Marlin MoE with
+  ``--int4 marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled w8a8,
+  taken from its source file.
 - dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
-  Triton quantizer, per-row weight scales), INT4 through our ``w4a16_matmul``; the embedding,
-  router and lm_head stay BF16 in both.
+  Triton quantizer, per-row weight scales), INT4 through our ``w4a16_matmul`` (or Marlin's
+  ``gptq_marlin_gemm``, the same weights repacked); the embedding, router and lm_head stay BF16
+  in both.
 - once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
   argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
   ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
@@ -24,6 +26,7 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
 
     python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
         [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
+        [--attention ours|flashmla] [--int4 ours|marlin --marlin-dir DIR]
     python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
 """
 
@@ -80,6 +83,7 @@ from decode_slice_plan import (
     timed_levels,
     weights_comparison,
 )
+from marlin import Marlin
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
     MLA_ROPE_DIM,
@@ -225,6 +229,7 @@ class Linear:
     kind: str
     weight: Any
     scale: torch.Tensor | None = None
+    marlin: tuple | None = None  # INT4 with --int4 marlin: the same weight in Marlin's layout
 
     @property
     def nbytes(self) -> int:
@@ -243,6 +248,7 @@ class Experts:
     w2: Any
     s13: torch.Tensor | None = None
     s2: torch.Tensor | None = None
+    marlin: tuple | None = None  # INT4 with --int4 marlin: (w13, w2) in Marlin's layout
 
     @property
     def count(self) -> int:
@@ -300,6 +306,22 @@ class Weights:
     def moe_layer_bytes(self) -> int:
         attn, moe = self.moe[0]
         return _nbytes(attn) + _nbytes(moe)
+
+
+def add_marlin_copies(obj: Any, marlin: Marlin) -> None:
+    """Give every INT4 linear and expert set under ``obj`` its copy in Marlin's layout."""
+    if isinstance(obj, Linear):
+        if obj.kind == "int4":
+            obj.marlin = marlin.from_ours(obj.weight)
+    elif isinstance(obj, Experts):
+        if obj.kind == "int4":
+            obj.marlin = (marlin.from_ours(obj.w13), marlin.from_ours(obj.w2))
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            add_marlin_copies(x, marlin)
+    elif not isinstance(obj, torch.Tensor):
+        for x in vars(obj).values():
+            add_marlin_copies(x, marlin)
 
 
 def _nbytes(obj: Any) -> int:
@@ -562,13 +584,18 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
 class KernelOps:
     """The kernels a serving GPU runs."""
 
-    def __init__(self, sglang: SglangKernels | None, flashmla: Any = None) -> None:
+    def __init__(self, sglang: SglangKernels | None, flashmla: Any = None,
+                 marlin: Marlin | None = None) -> None:  # fmt: skip
         self.sglang = sglang
         self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
+        self.marlin = marlin  # INT4 weights through SGLang's Marlin instead of our kernels
 
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
             return x @ lin.weight.T
+        if lin.kind == "int4" and self.marlin is not None:
+            out = torch.empty(x.shape[0], lin.weight.n, dtype=torch.bfloat16, device=x.device)
+            return self.marlin.gemm(x.contiguous(), *lin.marlin, out)
         if lin.kind == "int4":
             return w4a16_matmul(x.contiguous(), lin.weight)
         assert self.sglang is not None, "FP8 linears quantize activations with SGLang's kernel"
@@ -577,6 +604,8 @@ class KernelOps:
                                 out_dtype=torch.bfloat16)  # fmt: skip
 
     def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
+        if e.kind == "int4" and self.marlin is not None:
+            return self.marlin.fused_moe(x, *e.marlin, r.weights, r.ids, e.w13.group_size)
         if e.kind == "int4":
             return fused_moe(x, e.w13, e.w2, r.weights, r.ids)
         return self.sglang_moe(x, e, r)
@@ -879,6 +908,8 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     common = build_common(shape, gen)
     weights = {w: build_weights(shape, w, choice.int4_group, args.slice_layers, gen)
                for w in WEIGHT_DTYPES}  # fmt: skip
+    if args.marlin is not None:
+        add_marlin_copies(weights["int4"], args.marlin)
     torch.cuda.synchronize()
     info: dict[str, Any] = {
         "shape": vars(shape), "int4_group": choice.int4_group,
@@ -907,7 +938,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             t1 = time.time()
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
-                             routing[c], KernelOps(sglang, args.flashmla))  # fmt: skip
+                             routing[c], KernelOps(sglang, args.flashmla, args.marlin))  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
             if w == "fp8":
                 key = str(c)
@@ -1093,6 +1124,9 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "commit": args.commit or run("git", "rev-parse", "HEAD"),
         "attention": "FlashMLA (sgl-flash-mla 1.0.0, legacy SM90 dense)"
         if args.attention == "flashmla" else "ours (paged_decode_mla_bf16 / _fp8)",
+        "int4_kernels": "Marlin (SGLang 0.5.23's gptq_marlin_gemm, moe_wna16_marlin_gemm; "
+                        "alignment, SiLU-and-mul and top-k sum by our Triton launches)"
+        if args.int4 == "marlin" else "ours (w4a16_matmul, fused_moe)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1199,6 +1233,11 @@ def main() -> None:
         default="ours",
         help="decode attention: our paged kernels or FlashMLA (sgl-flash-mla)",
     )
+    ap.add_argument("--int4", choices=("ours", "marlin"), default="ours",
+                    help="INT4 linears and experts: our kernels or SGLang's Marlin")
+    ap.add_argument("--marlin-dir", type=Path,
+                    help="folder of Marlin's modules (bench/marlin_jit_build.py), for --int4 "
+                         "marlin")  # fmt: skip
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
@@ -1221,6 +1260,11 @@ def main() -> None:
     sglang_src = find_sglang_source("fused_moe_triton_kernels.py", args.sglang_src)
     sglang = load_sglang_kernels(args.sglang_src)
     args.flashmla = importlib.import_module("flash_mla") if args.attention == "flashmla" else None
+    args.marlin = None
+    if args.int4 == "marlin":
+        if args.marlin_dir is None:
+            raise SystemExit("--int4 marlin needs --marlin-dir (bench/marlin_jit_build.py's --out)")
+        args.marlin = Marlin(args.marlin_dir)
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_slice{args.tag}.json"

@@ -1,20 +1,21 @@
-"""Build SGLang 0.5.23's JIT Marlin kernels (dense ``gptq_marlin_gemm`` and MoE
-``moe_wna16_marlin_gemm``) ahead of time, the way SGLang's JIT loader builds them on first use,
-so a benchmark can load them without SGLang's runtime.
+"""Build SGLang 0.5.23's JIT Marlin kernels (dense ``gptq_marlin_gemm``, MoE
+``moe_wna16_marlin_gemm``, the weight repack ``gptq_marlin_repack``) ahead of time, the way
+SGLang's JIT loader builds them on first use, so a benchmark can load them without SGLang's
+runtime.
 
 SGLang compiles each kernel as one CUDA unit that includes the kernel's header and exports its
 entry point through TVM-FFI, with ``-std=c++20 -O3 --expt-relaxed-constexpr
 -DSGL_CUDA_ARCH=900 -gencode=arch=compute_90a,code=sm_90a``, and links it against libtvm_ffi
 and libcudart. This script does the same with the same flags, plus ``--split-compile=0``
 (device-code optimization on all cores; SGLang's loader runs one nvcc per unit, which took
-over 6 minutes for Marlin on one core), building both units at once. Needs nvcc, the
+over 6 minutes for Marlin on one core), building the units at once. Needs nvcc, the
 ``apache-tvm-ffi`` package and the kernels' source tree (``sglang/kernels/jit`` of the sglang
 wheel: ``include/`` and ``csrc/gemm/marlin*``).
 
-    python bench/marlin_jit_build.py --src JIT_DIR --out DIR [--only dense|moe]
+    python bench/marlin_jit_build.py --src JIT_DIR --out DIR [--only dense,moe,repack]
 
-Writes ``marlin_dense.so``/``marlin_moe.so`` and ``marlin_build.json`` (commands, seconds,
-compiler output) into DIR; a benchmark loads a module with ``tvm_ffi.load_module``.
+Writes ``marlin_<unit>.so`` and ``marlin_build.json`` (commands, seconds, compiler output) into
+DIR; a benchmark loads a module with ``tvm_ffi.load_module``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ UNITS = {
         "moe_wna16_marlin_gemm",
         "moe_wna16_marlin_gemm<bf16_t, false, false, false, false, false>",
     ),
+    # GPTQ's packed codes [K / 8, N] into Marlin's tiles (what SGLang runs at weight load)
+    "repack": ("gemm/marlin/gptq_marlin_repack.cuh", "gptq_marlin_repack", "gptq_marlin_repack"),
 }
 FFI_HEADERS = ("container/tensor.h", "dtype.h", "error.h", "extra/c_env_api.h", "function.h")
 
@@ -52,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", type=Path, required=True, help="sglang/kernels/jit of the wheel")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", choices=sorted(UNITS))
+    ap.add_argument("--only", help=f"comma-separated units to build, of {','.join(UNITS)}")
     args = ap.parse_args()
     from tvm_ffi.libinfo import find_dlpack_include_path, find_include_path, find_libtvm_ffi
 
@@ -66,7 +69,9 @@ def main() -> None:
     link = ["-shared", f"-L{lib.parent}", f"-l{lib.stem.removeprefix('lib')}",
             f"-L{cuda_home}/lib64", "-lcudart", f"-Wl,-rpath,{lib.parent}"]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    names = [args.only] if args.only else list(UNITS)
+    names = args.only.split(",") if args.only else list(UNITS)
+    if unknown := set(names) - set(UNITS):
+        raise SystemExit(f"unknown units {sorted(unknown)}; choose from {', '.join(UNITS)}")
     started, procs, record = {}, {}, {"nvcc": nvcc, "units": {}}
     for name in names:
         header, export, function = UNITS[name]

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from accuracy import rel_l2
+from marlin import Marlin, marlin_block
 from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import _TUNED, _candidates, _m_bucket, w4a16_matmul
 from tessera.kernels.w4a16_moe import (
-    _topk_sum,
     align_to_experts,
     fused_moe,
     fused_moe_reference,
@@ -60,7 +60,11 @@ MOE_SHAPES = {  # name: (experts, hidden, expert width, top_k, group)
     # one GPU's share at expert parallelism 8 (48 of the 384 experts): each row is one
     # dispatched (token, expert) pair, so a few rows touch a few experts (the decode slice)
     "kimi-k2 EP8 share 48x7168x2048 top1 g32": (48, 7168, 2048, 1, 32),
+    "glm-like 256x6144x2048 top8 g128": (256, 6144, 2048, 8, 128),
+    "glm-5 EP8 share 32x6144x2048 top1 g128": (32, 6144, 2048, 1, 128),
 }
+# --rows-per-expert: the MoE shapes of both models' releases (Kimi K2 group 32, GLM 5 group 128)
+ROWS_MOE_SHAPES = tuple(k for k in MOE_SHAPES if "kimi-like" not in k or "g32" in k)
 QUICK_MOE_SHAPES = ("kimi-like 384x7168x2048 top8 g32", "kimi-k2 EP8 share 48x7168x2048 top1 g32")
 MOE_TOKENS = (1, 4, 16, 32, 64, 128)
 
@@ -76,119 +80,6 @@ def random_int4(shape_nk: tuple[int, ...], group: int, device: str = "cuda") -> 
 
 def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(4 * L2_BYTES / nbytes))
-
-
-# SGLang's id of Marlin's weight type uint4b8 (4-bit codes, bias 8: GPTQ's symmetric INT4): its
-# ScalarType fields packed low to high, exponent (8 bits) 0, mantissa (8) 4, signed (1) 0,
-# bias (32) 8, finite-only (1) 0, NaN representation (8) 1 (IEEE).
-MARLIN_UINT4B8 = (4 << 8) | (8 << 17) | (1 << 50)
-
-
-class Marlin:
-    """SGLang 0.5.23's Marlin kernels (dense ``gptq_marlin_gemm``, MoE
-    ``moe_wna16_marlin_gemm``), built ahead of time by bench/marlin_jit_build.py and called
-    with the arguments SGLang's wrappers pass (its Python wrappers need SGLang's runtime).
-    Weights are random codes in Marlin's tiled layout (``[K / 16, 2 N]`` int32, scales
-    ``[K / group, N]``): the peer's time does not depend on their values."""
-
-    def __init__(self, folder: Path):
-        import tvm_ffi
-
-        def load(unit: str, name: str):  # either unit may be built alone (--only)
-            path = folder / f"marlin_{unit}.so"
-            return getattr(tvm_ffi.load_module(str(path)), name) if path.exists() else None
-
-        self.dense = load("dense", "gptq_marlin_gemm")
-        self.moe = load("moe", "moe_wna16_marlin_gemm")
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.sms = sms
-        self.workspace = torch.zeros(sms * 4, dtype=torch.int32, device="cuda")
-        self.none_bf16 = torch.empty(0, dtype=torch.bfloat16, device="cuda")
-        self.none_i32 = torch.empty(0, dtype=torch.int32, device="cuda")
-        self.none_f32 = torch.empty(0, dtype=torch.float32, device="cuda")
-
-    @staticmethod
-    def weight(n: int, k: int, group: int, experts: int | None = None):
-        lead = () if experts is None else (experts,)
-        codes = torch.randint(-(2**31), 2**31 - 1, (*lead, k // 16, 2 * n), dtype=torch.int32,
-                              device="cuda")  # fmt: skip
-        scales = ((torch.rand(*lead, k // group, n, device="cuda") + 0.5) / 64).bfloat16()
-        return codes, scales
-
-    def gemm(self, x, codes, scales, out):
-        """SGLang's ``apply_gptq_marlin_linear``: fp32 reduce, atomic adds only for n < 2048
-        and k >= 2048."""
-        m, k = x.shape
-        n = scales.shape[-1]
-        atomic = n < 2048 and k >= 2048
-        c_tmp = self.none_f32
-        if not atomic:
-            c_tmp = torch.empty(self.sms * min(triton.cdiv(m, 16) * 16, 64) * 256,
-                                dtype=torch.float32, device="cuda")  # fmt: skip
-        self.dense(x, codes, scales, self.none_bf16, self.none_i32, self.none_i32,
-                   self.none_i32, out, c_tmp, self.none_bf16, self.workspace, MARLIN_UINT4B8,
-                   True, atomic, True, False)  # fmt: skip
-        return out
-
-    @staticmethod
-    def align(ids: torch.Tensor, experts: int, block: int):
-        """What SGLang's ``moe_align_block_size`` produces (sorted pair ids padded per expert to
-        whole blocks, each block's expert, the padded count), computed on the host."""
-        flat = ids.flatten().cpu()
-        pad_id = flat.numel()
-        order, owners = [], []
-        for e in range(experts):
-            pairs = (flat == e).nonzero().flatten().tolist()
-            if pairs:
-                pairs += [pad_id] * (-len(pairs) % block)
-                order += pairs
-                owners += [e] * (len(pairs) // block)
-        size = pad_id + experts * (block - 1)
-        sorted_ids = torch.full((size,), pad_id, dtype=torch.int32)
-        sorted_ids[: len(order)] = torch.tensor(order, dtype=torch.int32)
-        block_experts = torch.zeros(triton.cdiv(size, block), dtype=torch.int32)
-        block_experts[: len(owners)] = torch.tensor(owners, dtype=torch.int32)
-        count = torch.tensor([len(order)], dtype=torch.int32)
-        return sorted_ids.cuda(), block_experts.cuda(), count.cuda()
-
-    def moe_gemm(self, x, out, codes, scales, routing, block, top_k, mul_weights, group):
-        sorted_ids, block_experts, count, weights = routing
-        m, k = x.shape
-        n = scales.shape[-1]
-        self.moe(x, out, codes, self.none_bf16, scales, self.none_bf16, self.none_bf16,
-                 self.none_i32, self.none_i32, self.workspace, sorted_ids, block_experts, count,
-                 weights, self.none_bf16, self.none_f32, block, top_k, mul_weights, False,
-                 MARLIN_UINT4B8, m, n, k, False, False, True, False, k // group, group, True,
-                 True, False)  # fmt: skip
-        return out
-
-    def fused_moe(self, x, w13, w2, routing, block, top_k, group):
-        """SGLang's ``fused_marlin_moe``: up GEMM, SiLU-and-mul, down GEMM with the routing
-        weights, sum over the top k (the two small steps by this project's Triton kernels,
-        one launch each as in SGLang; the alignment is done ahead, outside the time)."""
-        tokens, hidden = x.shape
-        inter = w2[1].shape[-2] * group
-        h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
-        self.moe_gemm(x, h13, *w13, routing, block, top_k, False, group)
-        act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
-        _silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
-            h13, act, inter, BLOCK=1024, num_warps=4
-        )
-        down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
-        self.moe_gemm(act, down, *w2, routing, block, 1, True, group)
-        return _topk_sum(down, tokens, top_k)
-
-
-@triton.jit
-def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
-    """out[p, :half] = silu(src[p, :half]) * src[p, half:]: SGLang's SiLU-and-mul launch
-    between Marlin's two MoE GEMMs, stood in for by one Triton launch."""
-    p = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < half
-    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
-    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + p * half + offs, w4a16_moe._silu_mul_values(gate, up), mask=mask)
 
 
 MARLIN: Marlin | None = None  # set by --marlin
@@ -214,15 +105,6 @@ def marlin_time(call, sets: int) -> tuple[float, str]:
     return statistics.median(times), "eager"
 
 
-def marlin_block(tokens: int, top_k: int, experts: int) -> int:
-    """SGLang's block size for the Marlin MoE: the first of 8, 16, 32, 48, 64 that the
-    average rows per expert fill less than 90%."""
-    for block in (8, 16, 32, 48, 64):
-        if tokens * top_k / experts / block < 0.9:
-            return block
-    return 64
-
-
 def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
@@ -241,7 +123,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
     ]
     fp8 = [(b / 16).to(torch.float8_e4m3fn) for b in bf16]
     one = torch.ones((), device="cuda")
-    mws = [Marlin.weight(n, k, group) for _ in range(sets)] if MARLIN is not None else []
+    mws = [MARLIN.from_ours(w) for w in ws] if MARLIN is not None else []  # the same weights
     w_ref = dequantize(ws[0], torch.float32)  # [N, K]
     for m in m_values:
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
@@ -266,7 +148,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
                 lambda i, xs=xs, o=out_m: MARLIN.gemm(xs[i % 4], *mws[i % sets], o), sets
             )
             marlin["x_vs_marlin"] = marlin["marlin_us"] / t_int4
-            marlin["marlin_finite"] = bool(out_m.isfinite().all())
+            marlin["marlin_rel_l2_vs_fp32"] = rel_l2(MARLIN.gemm(xs[0], *mws[0], out_m), ref)
         per_config = {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k):
@@ -386,9 +268,19 @@ def routings(tokens, experts, top_k, count):
     return out
 
 
-def bench_moe(token_values, shapes, sglang_kernel, candidates: bool) -> list[dict]:
+def tokens_for_rows(rows_per_expert: int, experts: int, top_k: int) -> int:
+    """Tokens that give each expert ``rows_per_expert`` rows on average (1: one token, whose
+    top-k rows land on distinct experts)."""
+    return 1 if rows_per_expert == 1 else rows_per_expert * experts // top_k
+
+
+def bench_moe(token_values, shapes, sglang_kernel, candidates: bool,
+              rows_per_expert=None) -> list[dict]:  # fmt: skip
     rows = []
     for name, shape in shapes.items():
+        if rows_per_expert:
+            experts, top_k = shape[0], shape[3]
+            token_values = [tokens_for_rows(r, experts, top_k) for r in rows_per_expert]
         rows += bench_moe_shape(name, *shape, token_values, sglang_kernel, candidates)
         torch.cuda.empty_cache()
     return rows
@@ -468,9 +360,8 @@ def bench_moe_shape(
     b13 = torch.randn(experts, hidden, 2 * inter, device="cuda", dtype=torch.bfloat16) / 64
     b2 = torch.randn(experts, inter, hidden, device="cuda", dtype=torch.bfloat16) / 64
     sg = (*to_sglang_int4(w13), *to_sglang_int4(w2)) if sglang_kernel else None
-    if MARLIN is not None:
-        mw13 = Marlin.weight(2 * inter, hidden, group, experts)
-        mw2 = Marlin.weight(hidden, inter, group, experts)
+    if MARLIN is not None:  # the same experts in Marlin's layout
+        mw13, mw2 = MARLIN.from_ours(w13), MARLIN.from_ours(w2)
 
     # correctness of all three on a few tokens, against the fp32 reference
     wts, ids = routings(4, experts, top_k, 1)[0]
@@ -481,6 +372,8 @@ def bench_moe_shape(
         errs["sglang_int4"] = rel_l2(
             sglang_moe(sglang_kernel, SGLANG_CONFIGS[0], x, *sg, wts, ids, group), ref
         )
+    if MARLIN is not None:
+        errs["marlin"] = rel_l2(MARLIN.fused_moe(x, mw13, mw2, wts, ids, group), ref)
     print(f"moe {name}: rel-L2 vs fp32 reference {errs}", flush=True)
 
     for tokens in token_values:
@@ -544,17 +437,18 @@ def bench_moe_shape(
 
 
 def marlin_moe_times(xs, rs, weights, experts, hidden, inter, top_k, group) -> dict:
-    """Marlin's fused MoE and its two GEMMs alone on the bench's inputs and routings."""
+    """Marlin's fused MoE (alignment included, as ours) and its two GEMMs alone (routings
+    aligned ahead) on the bench's inputs and routings."""
     tokens = xs[0].shape[0]
     mw13, mw2 = weights
     block = marlin_block(tokens, top_k, experts)
-    mrs = [(*Marlin.align(ids, experts, block), wts.float().contiguous()) for wts, ids in rs]
+    mrs = [(*Marlin.align(ids, experts, block), wts.float().reshape(-1)) for wts, ids in rs]
     h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
     act = torch.randn(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
     down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
     res = {"marlin_block": block}
     res["marlin_moe_us"], res["marlin_timing"] = marlin_time(
-        lambda i: MARLIN.fused_moe(xs[i], mw13, mw2, mrs[i], block, top_k, group), len(rs)
+        lambda i: MARLIN.fused_moe(xs[i], mw13, mw2, *rs[i], group), len(rs)
     )
     res["marlin_up_gemm_us"], _ = marlin_time(
         lambda i: MARLIN.moe_gemm(xs[i], h13, *mw13, mrs[i], block, top_k, False, group),
@@ -562,8 +456,6 @@ def marlin_moe_times(xs, rs, weights, experts, hidden, inter, top_k, group) -> d
     res["marlin_down_gemm_us"], _ = marlin_time(
         lambda i: MARLIN.moe_gemm(act, down, *mw2, mrs[i], block, 1, True, group), len(rs)
     )
-    res["marlin_finite"] = bool(MARLIN.fused_moe(xs[0], mw13, mw2, mrs[0], block, top_k,
-                                                 group).isfinite().all())  # fmt: skip
     counts = [r[1].flatten().bincount(minlength=experts) for r in rs]
     res["avg_rows_per_touched_expert"] = statistics.mean(
         float(c[c > 0].float().mean()) for c in counts)  # fmt: skip
@@ -607,6 +499,9 @@ def main() -> None:
     ap.add_argument("--candidates", action="store_true",
                     help="also time every GEMM tile candidate and the MoE's parts")  # fmt: skip
     ap.add_argument("--tokens", help="MoE token counts, comma-separated (overrides the default)")
+    ap.add_argument("--rows-per-expert",
+                    help="MoE sizes as average rows per expert, comma-separated (1,2,4,8,16): "
+                         "token counts per shape, on the releases' shapes")  # fmt: skip
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument(
@@ -631,11 +526,15 @@ def main() -> None:
     if args.tokens:
         tokens = tuple(int(v) for v in args.tokens.split(","))
     moe_shapes = {k: MOE_SHAPES[k] for k in QUICK_MOE_SHAPES} if args.quick else MOE_SHAPES
+    rows_per_expert = None
+    if args.rows_per_expert:
+        rows_per_expert = [int(v) for v in args.rows_per_expert.split(",")]
+        moe_shapes = {k: MOE_SHAPES[k] for k in ROWS_MOE_SHAPES}
     t0 = time.time()
     results = {}
     runs = {
         "gemm": lambda: bench_gemm(m_values, gemm_shapes, args.candidates),
-        "moe": lambda: bench_moe(tokens, moe_shapes, kernel, args.candidates),
+        "moe": lambda: bench_moe(tokens, moe_shapes, kernel, args.candidates, rows_per_expert),
     }
     for part, run in runs.items():
         if args.only in (None, part):

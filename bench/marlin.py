@@ -1,0 +1,145 @@
+"""SGLang 0.5.23's Marlin kernels as a benchmark peer: dense ``gptq_marlin_gemm``, MoE
+``moe_wna16_marlin_gemm`` and the weight repack ``gptq_marlin_repack``, built ahead of time by
+bench/marlin_jit_build.py and called with the arguments SGLang's wrappers pass (those wrappers
+need SGLang's runtime, which the GPU machine's torch cannot load).
+
+Weights come from this project's INT4 format: its ``qweight`` ``[K / 8, N]`` is GPTQ's packed
+layout (unsigned codes, bias 8), which Marlin's repack takes as it is, so the peer multiplies the
+very weights our kernels do and its output is checked against the same reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from tessera.kernels import w4a16_moe
+from tessera.kernels.w4a16_format import W4A16Weight
+from tessera.kernels.w4a16_moe import _topk_sum, align_to_experts
+
+# SGLang's id of Marlin's weight type uint4b8 (4-bit codes, bias 8: GPTQ's symmetric INT4): its
+# ScalarType fields packed low to high, exponent (8 bits) 0, mantissa (8) 4, signed (1) 0,
+# bias (32) 8, finite-only (1) 0, NaN representation (8) 1 (IEEE).
+MARLIN_UINT4B8 = (4 << 8) | (8 << 17) | (1 << 50)
+
+# Marlin reads group scales 64 columns at a time, each 8 x 8 block of them transposed.
+SCALE_ORDER = torch.arange(64).view(8, 8).t().flatten()
+
+
+def marlin_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Group scales ``[..., K / group, N]`` in Marlin's column order (group < K)."""
+    return scales.reshape(-1, 64)[:, SCALE_ORDER.to(scales.device)].reshape(scales.shape)
+
+
+def marlin_block(tokens: int, top_k: int, experts: int) -> int:
+    """SGLang's block size for the Marlin MoE: the first of 8, 16, 32, 48, 64 that the
+    average rows per expert fill less than 90%."""
+    for block in (8, 16, 32, 48, 64):
+        if tokens * top_k / experts / block < 0.9:
+            return block
+    return 64
+
+
+class Marlin:
+    """The loaded kernels; a weight is ``(codes, scales)`` in Marlin's layout (``from_ours``)."""
+
+    def __init__(self, folder: Path):
+        import tvm_ffi
+
+        def load(unit: str, name: str):  # a unit may be built alone (--only)
+            path = folder / f"marlin_{unit}.so"
+            return getattr(tvm_ffi.load_module(str(path)), name) if path.exists() else None
+
+        self.dense = load("dense", "gptq_marlin_gemm")
+        self.moe = load("moe", "moe_wna16_marlin_gemm")
+        self.repack = load("repack", "gptq_marlin_repack")
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.workspace = torch.zeros(self.sms * 4, dtype=torch.int32, device="cuda")
+        self.none_bf16 = torch.empty(0, dtype=torch.bfloat16, device="cuda")
+        self.none_i32 = torch.empty(0, dtype=torch.int32, device="cuda")
+        self.none_f32 = torch.empty(0, dtype=torch.float32, device="cuda")
+
+    def from_ours(self, w: W4A16Weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our symmetric INT4 weight (dense ``[K / 8, N]`` or experts ``[E, K / 8, N]``) in
+        Marlin's layout: codes ``[..., K / 16, 2 N]`` int32, scales permuted."""
+        if not w.symmetric:
+            raise ValueError("the Marlin peer takes symmetric weights (uint4b8)")
+        if self.repack is None:
+            raise RuntimeError("marlin_repack.so was not built (bench/marlin_jit_build.py)")
+        q = w.qweight.reshape(-1, *w.qweight.shape[-2:])
+        k, n = w.k, w.n
+        codes = torch.empty(q.shape[0], k // 16, 2 * n, dtype=torch.int32, device=q.device)
+        for e in range(q.shape[0]):
+            self.repack(q[e].contiguous(), self.none_i32, codes[e], k, n, 4)
+        return codes.reshape(*w.qweight.shape[:-2], k // 16, 2 * n), marlin_scales(w.scales)
+
+    def gemm(self, x, codes, scales, out):
+        """SGLang's ``apply_gptq_marlin_linear``: fp32 reduce, atomic adds only for n < 2048
+        and k >= 2048."""
+        m, k = x.shape
+        n = scales.shape[-1]
+        atomic = n < 2048 and k >= 2048
+        c_tmp = self.none_f32
+        if not atomic:
+            c_tmp = torch.empty(self.sms * min(triton.cdiv(m, 16) * 16, 64) * 256,
+                                dtype=torch.float32, device="cuda")  # fmt: skip
+        self.dense(x, codes, scales, self.none_bf16, self.none_i32, self.none_i32,
+                   self.none_i32, out, c_tmp, self.none_bf16, self.workspace, MARLIN_UINT4B8,
+                   True, atomic, True, False)  # fmt: skip
+        return out
+
+    @staticmethod
+    def align(ids: torch.Tensor, experts: int, block: int):
+        """The routing as Marlin reads it: our alignment (sorted pair ids padded per expert to
+        whole blocks, padding rows = the pair count, as SGLang's ``moe_align_block_size``),
+        each block's expert (-1 past the used blocks: Marlin skips them), and the padded row
+        count, here the whole allocation (its size depends only on the shapes, so no
+        reduction launch computes it)."""
+        pair_ids, block_expert = align_to_experts(ids, experts, block)
+        count = torch.full((1,), pair_ids.numel(), dtype=torch.int32, device=ids.device)
+        return pair_ids, block_expert, count
+
+    def moe_gemm(self, x, out, codes, scales, routing, block, top_k, mul_weights, group):
+        sorted_ids, block_experts, count, weights = routing
+        m, k = x.shape
+        n = scales.shape[-1]
+        self.moe(x, out, codes, self.none_bf16, scales, self.none_bf16, self.none_bf16,
+                 self.none_i32, self.none_i32, self.workspace, sorted_ids, block_experts, count,
+                 weights, self.none_bf16, self.none_f32, block, top_k, mul_weights, False,
+                 MARLIN_UINT4B8, m, n, k, False, False, True, False, k // group, group, True,
+                 True, False)  # fmt: skip
+        return out
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, group):
+        """SGLang's ``fused_marlin_moe``: alignment, up GEMM, SiLU-and-mul, down GEMM with the
+        routing weights, sum over the top k. The alignment is our kernel (one launch, as
+        SGLang's) and the two small steps this project's Triton kernels, one launch each."""
+        tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        experts = w13[0].shape[0]
+        inter = w2[1].shape[-2] * group
+        block = marlin_block(tokens, top_k, experts)
+        routing = (*self.align(topk_ids, experts, block), topk_weights.float().reshape(-1))
+        h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device=x.device)
+        self.moe_gemm(x, h13, *w13, routing, block, top_k, False, group)
+        act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device=x.device)
+        _silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
+            h13, act, inter, BLOCK=1024, num_warps=4
+        )
+        down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=x.device)
+        self.moe_gemm(act, down, *w2, routing, block, 1, True, group)
+        return _topk_sum(down, tokens, top_k)
+
+
+@triton.jit
+def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
+    """out[p, :half] = silu(src[p, :half]) * src[p, half:]: SGLang's SiLU-and-mul launch
+    between Marlin's two MoE GEMMs, stood in for by one Triton launch."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < half
+    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
+    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + p * half + offs, w4a16_moe._silu_mul_values(gate, up), mask=mask)
