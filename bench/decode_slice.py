@@ -8,12 +8,12 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
   decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router GEMM and top-k; the shared
   expert; the routed experts of the one GPU that finishes the layer last (routing drawn at
   random, ``critical_share``): INT4 through our ``fused_moe`` (or SGLang's Marlin MoE with
-  ``--int4 marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled w8a8,
-  taken from its source file.
+  ``--int4-experts marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled
+  w8a8, taken from its source file.
 - dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
   Triton quantizer, per-row weight scales), INT4 through our ``w4a16_matmul`` (or Marlin's
-  ``gptq_marlin_gemm``, the same weights repacked); the embedding, router and lm_head stay BF16
-  in both.
+  ``gptq_marlin_gemm`` with ``--int4-linears marlin``, the same weights repacked); the
+  embedding, router and lm_head stay BF16 in both.
 - once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
   argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
   ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
@@ -26,7 +26,8 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
 
     python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
         [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
-        [--attention ours|flashmla] [--int4 ours|marlin --marlin-dir DIR]
+        [--attention ours|flashmla] [--int4-linears ours|marlin] [--int4-experts ours|marlin]
+        [--marlin-dir DIR]
     python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
 """
 
@@ -229,7 +230,7 @@ class Linear:
     kind: str
     weight: Any
     scale: torch.Tensor | None = None
-    marlin: tuple | None = None  # INT4 with --int4 marlin: the same weight in Marlin's layout
+    marlin: tuple | None = None  # INT4 with --int4-linears marlin: the weight in Marlin's layout
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +249,7 @@ class Experts:
     w2: Any
     s13: torch.Tensor | None = None
     s2: torch.Tensor | None = None
-    marlin: tuple | None = None  # INT4 with --int4 marlin: (w13, w2) in Marlin's layout
+    marlin: tuple | None = None  # INT4 with --int4-experts marlin: (w13, w2) in Marlin's layout
 
     @property
     def count(self) -> int:
@@ -308,20 +309,20 @@ class Weights:
         return _nbytes(attn) + _nbytes(moe)
 
 
-def add_marlin_copies(obj: Any, marlin: Marlin) -> None:
-    """Give every INT4 linear and expert set under ``obj`` its copy in Marlin's layout."""
+def add_marlin_copies(obj: Any, marlin: Marlin, linears: bool, experts: bool) -> None:
+    """Give the INT4 linears and/or expert sets under ``obj`` their copy in Marlin's layout."""
     if isinstance(obj, Linear):
-        if obj.kind == "int4":
+        if obj.kind == "int4" and linears:
             obj.marlin = marlin.from_ours(obj.weight)
     elif isinstance(obj, Experts):
-        if obj.kind == "int4":
+        if obj.kind == "int4" and experts:
             obj.marlin = (marlin.from_ours(obj.w13), marlin.from_ours(obj.w2))
     elif isinstance(obj, list | tuple):
         for x in obj:
-            add_marlin_copies(x, marlin)
+            add_marlin_copies(x, marlin, linears, experts)
     elif not isinstance(obj, torch.Tensor):
         for x in vars(obj).values():
-            add_marlin_copies(x, marlin)
+            add_marlin_copies(x, marlin, linears, experts)
 
 
 def _nbytes(obj: Any) -> int:
@@ -588,12 +589,12 @@ class KernelOps:
                  marlin: Marlin | None = None) -> None:  # fmt: skip
         self.sglang = sglang
         self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
-        self.marlin = marlin  # INT4 weights through SGLang's Marlin instead of our kernels
+        self.marlin = marlin  # INT4 weights with a Marlin copy run SGLang's Marlin kernels
 
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
             return x @ lin.weight.T
-        if lin.kind == "int4" and self.marlin is not None:
+        if lin.kind == "int4" and lin.marlin is not None:
             out = torch.empty(x.shape[0], lin.weight.n, dtype=torch.bfloat16, device=x.device)
             return self.marlin.gemm(x.contiguous(), *lin.marlin, out)
         if lin.kind == "int4":
@@ -604,7 +605,7 @@ class KernelOps:
                                 out_dtype=torch.bfloat16)  # fmt: skip
 
     def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
-        if e.kind == "int4" and self.marlin is not None:
+        if e.kind == "int4" and e.marlin is not None:
             return self.marlin.fused_moe(x, *e.marlin, r.weights, r.ids, e.w13.group_size)
         if e.kind == "int4":
             return fused_moe(x, e.w13, e.w2, r.weights, r.ids)
@@ -909,7 +910,8 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     weights = {w: build_weights(shape, w, choice.int4_group, args.slice_layers, gen)
                for w in WEIGHT_DTYPES}  # fmt: skip
     if args.marlin is not None:
-        add_marlin_copies(weights["int4"], args.marlin)
+        add_marlin_copies(weights["int4"], args.marlin, args.int4_linears == "marlin",
+                          args.int4_experts == "marlin")  # fmt: skip
     torch.cuda.synchronize()
     info: dict[str, Any] = {
         "shape": vars(shape), "int4_group": choice.int4_group,
@@ -1124,9 +1126,11 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "commit": args.commit or run("git", "rev-parse", "HEAD"),
         "attention": "FlashMLA (sgl-flash-mla 1.0.0, legacy SM90 dense)"
         if args.attention == "flashmla" else "ours (paged_decode_mla_bf16 / _fp8)",
-        "int4_kernels": "Marlin (SGLang 0.5.23's gptq_marlin_gemm, moe_wna16_marlin_gemm; "
-                        "alignment, SiLU-and-mul and top-k sum by our Triton launches)"
-        if args.int4 == "marlin" else "ours (w4a16_matmul, fused_moe)",
+        "int4_linears": "Marlin (SGLang 0.5.23's gptq_marlin_gemm)"
+        if args.int4_linears == "marlin" else "ours (w4a16_matmul)",
+        "int4_experts": "Marlin (SGLang 0.5.23's moe_wna16_marlin_gemm; alignment, SiLU-and-mul "
+                        "and top-k sum by our Triton launches)"
+        if args.int4_experts == "marlin" else "ours (fused_moe)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1233,11 +1237,12 @@ def main() -> None:
         default="ours",
         help="decode attention: our paged kernels or FlashMLA (sgl-flash-mla)",
     )
-    ap.add_argument("--int4", choices=("ours", "marlin"), default="ours",
-                    help="INT4 linears and experts: our kernels or SGLang's Marlin")
+    ap.add_argument("--int4-linears", choices=("ours", "marlin"), default="ours",
+                    help="INT4 dense linears: our GEMM or SGLang's Marlin")
+    ap.add_argument("--int4-experts", choices=("ours", "marlin"), default="ours",
+                    help="INT4 routed experts: our fused MoE or SGLang's Marlin MoE")
     ap.add_argument("--marlin-dir", type=Path,
-                    help="folder of Marlin's modules (bench/marlin_jit_build.py), for --int4 "
-                         "marlin")  # fmt: skip
+                    help="folder of Marlin's modules (bench/marlin_jit_build.py), for Marlin")
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
@@ -1261,9 +1266,9 @@ def main() -> None:
     sglang = load_sglang_kernels(args.sglang_src)
     args.flashmla = importlib.import_module("flash_mla") if args.attention == "flashmla" else None
     args.marlin = None
-    if args.int4 == "marlin":
+    if "marlin" in (args.int4_linears, args.int4_experts):
         if args.marlin_dir is None:
-            raise SystemExit("--int4 marlin needs --marlin-dir (bench/marlin_jit_build.py's --out)")
+            raise SystemExit("Marlin needs --marlin-dir (bench/marlin_jit_build.py's --out)")
         args.marlin = Marlin(args.marlin_dir)
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)

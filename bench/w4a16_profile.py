@@ -1,20 +1,25 @@
 """Launch chosen W4A16 kernels once each between profiler start and stop, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --section WarpStateStats \\
-        python bench/w4a16_profile.py
+        python bench/w4a16_profile.py [--slice]
 
 Profiles the GEMM at M = 1, 16384 x 7168, group 128, on both paths the v5 tuner chose between
 (the weights-first 8 x 256 tensor-core tile with 4 K splits, and the CUDA-core GEMV with 128
 columns and 8 K splits), and the MoE up GEMM at one token (Kimi-like experts, group 32).
-Compilation and a warm-up run happen before the profiler starts.
+With ``--slice``: the decode slice's INT4 linears at one token (Kimi K2's, group 32), each as
+the tuner runs it (every launch of the call: zeroing, GEMM, cast), with each call's CUDA-graph
+time printed. Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels.w4a16_gemm import GemmConfig, w4a16_matmul
+from tessera.kernels.w4a16_gemm import _TUNED, GemmConfig, _m_bucket, w4a16_matmul
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, moe_gemm
+from timing import graph_time_us
 
 
 def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
@@ -24,7 +29,34 @@ def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
     return W4A16Weight(qweight, scales, None, group)
 
 
+# the decode slice's INT4 linears on one Kimi K2 GPU (N, K): fused q_a + kv_a, q_b, o_proj,
+# shared expert up and down, dense MLP up and down
+SLICE_LINEARS = ((2112, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256),
+                 (4608, 7168), (7168, 2304))  # fmt: skip
+
+
+def profile_slice_linears() -> None:
+    calls = []
+    for n, k in SLICE_LINEARS:
+        ws = [random_int4((), n, k, 32) for _ in range(8)]  # 8 copies: past the L2 together
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        t = graph_time_us(lambda i, x=x, ws=ws: w4a16_matmul(x, ws[i]), len(ws))
+        cfg = next(v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(1), n, k))
+        print(f"N {n:5d} K {k:5d}: {t:6.1f} us a call (graph), {n * k / 2 / t / 1e6:.2f} TB/s "
+              f"of codes, tuned {cfg}", flush=True)  # fmt: skip
+        calls.append(lambda x=x, w=ws[0]: w4a16_matmul(x, w))
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main() -> None:
+    if "--slice" in sys.argv:
+        profile_slice_linears()
+        return
     w = random_int4((), 16384, 7168, 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
     gemm_cfg = GemmConfig("triton", 8, 256, 128, 4, 4, 4, swap=True)
