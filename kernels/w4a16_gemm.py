@@ -598,6 +598,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     if m > 16:
         swapped.append((64, 256, 8, 3))
     out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
+    if m <= 16:  # one launch (no zeroing, no cast): narrow column tiles, deep pipelines
+        out += [GemmConfig("triton", 8, bn, 128, 1, 4, stages, swap=True)
+                for bn in (32, 64, 128) for stages in (4, 8)]  # fmt: skip
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
         for bn, bk in ((128, 128), (256, 64)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
