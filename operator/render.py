@@ -27,6 +27,7 @@ from tessera.runtime.config import (
 )
 from tessera.runtime.planner import DeploymentPlan
 from tessera.runtime.planner.decode_attention import choose_decode_attention
+from tessera.runtime.planner.w4a16 import choose_w4a16
 
 
 def checkpoint_path(uri: str) -> str:
@@ -49,7 +50,8 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
     planned = plan.phases[phase]
     weights = raw["weights"]
     integrity = bool(spec.get("integrity", {}).get("enabled", False))
-    kernels = raw.get("kernels", {})
+    # Unset format: the first that can hold the dtype (int4: compressed-tensors).
+    weights_format = weights.get("format", FORMATS_FOR_DTYPE[planned.spec.weights.dtype][0])
     return RuntimeConfig(
         deployment=meta["name"],
         namespace=meta["namespace"],
@@ -57,10 +59,7 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         engine_version=spec["engine"].get("version", "0.5.23"),
         model=ModelConfig(name=spec["model"]["name"], path=checkpoint_path(weights["uri"]),
                           uri=weights["uri"], context_length=plan.context_length),
-        # Unset format: the first that can hold the dtype (int4: compressed-tensors).
-        weights=WeightsConfig(dtype=planned.spec.weights.dtype,
-                              format=weights.get("format",
-                                                 FORMATS_FOR_DTYPE[planned.spec.weights.dtype][0]),
+        weights=WeightsConfig(dtype=planned.spec.weights.dtype, format=weights_format,
                               group_size=weights.get("groupSize")),
         kv_cache=KVCacheConfig(dtype=planned.spec.kv_dtype,
                                page_size=planned.spec.page_size),
@@ -76,7 +75,7 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         # both roles of a disaggregated pair.
         kernels=KernelsConfig(decode_attention=choose_decode_attention(plan.architecture,
                                                                        planned.spec).impl,
-                              w4a16=kernels.get("w4a16", "sglang")),
+                              w4a16=choose_w4a16(planned.spec, weights_format).impl),
         integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
         disaggregation=disaggregation_config(spec, phase, integrity),
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from tessera.runtime.capabilities import FP8_KV_MIN_COMPUTE_CAPABILITY, KV_HANDOFF_CONVERSIONS
-from tessera.runtime.config import DecodeAttentionImpl
+from tessera.runtime.config import DecodeAttentionImpl, KernelImpl
 from tessera.runtime.fetch.source import is_remote
 from tessera.runtime.planner.architecture import Architecture, resolve_architecture
 from tessera.runtime.planner.decode_attention import flashmla_problem
@@ -95,6 +95,7 @@ class PhaseSpec:
     nodes: int = 1  # nodes one replica spans (tensor_parallel over the node's GPUs)
     # kernels.decodeAttention as the spec says it; None: the measured winner (decode_attention.py)
     decode_attention: DecodeAttentionImpl | None = None
+    w4a16: KernelImpl | None = None  # kernels.w4a16 likewise (w4a16.py)
 
     @property
     def attention_tp(self) -> int:
@@ -482,6 +483,7 @@ def _phase_spec(name: str, raw: Any, arch: Architecture, gpus_per_node: int) -> 
         mem_fraction_static=None if fraction is None else float(fraction),
         nodes=nodes_per_replica(tp, gpus_per_node),
         decode_attention=_decode_attention(raw, path),
+        w4a16=_w4a16(raw, path),
     )
 
 
@@ -490,6 +492,14 @@ def _decode_attention(raw: Mapping[str, Any], path: str) -> DecodeAttentionImpl 
     if value is not None and value not in get_args(DecodeAttentionImpl):
         raise PlanError(f"{path}.kernels.decodeAttention {value!r} is not one of "
                         f"{list(get_args(DecodeAttentionImpl))}")
+    return value
+
+
+def _w4a16(raw: Mapping[str, Any], path: str) -> KernelImpl | None:
+    value = _mapping(raw, "kernels", path).get("w4a16")
+    if value is not None and value not in get_args(KernelImpl):
+        raise PlanError(f"{path}.kernels.w4a16 {value!r} is not one of "
+                        f"{list(get_args(KernelImpl))}")
     return value
 
 

@@ -45,8 +45,9 @@ def test_phase_enums_match_planner_and_runtime(version: dict[str, Any], phase: s
     kernels = props["kernels"]["properties"]
     assert set(kernels) == {"decodeAttention", "w4a16"}
     assert set(kernels["w4a16"]["enum"]) == set(get_args(runtime_config.KernelImpl))
-    assert kernels["w4a16"]["default"] == "sglang"
-    # Unset decodeAttention: the operator picks the measured winner, so no schema default.
+    # Unset decodeAttention and w4a16: the operator picks the measured winner, so no schema
+    # default.
+    assert "default" not in kernels["w4a16"]
     assert set(kernels["decodeAttention"]["enum"]) == set(
         get_args(runtime_config.DecodeAttentionImpl))
     assert "default" not in kernels["decodeAttention"]

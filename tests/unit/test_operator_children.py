@@ -180,8 +180,20 @@ def test_engine_config_carries_the_phase_precision_and_plan() -> None:
     assert config["kv_cache"]["dtype"] == "fp8_e4m3"
     assert config["integrity"] == {"enabled": True}
     assert config["memory"]["planned_weights_bytes_per_gpu"] > 0
-    # Unset: Kimi K2 is MLA with 64-token pages, where FlashMLA measured fastest.
+    # Unset: Kimi K2 is MLA with 64-token pages, where FlashMLA measured fastest; only its
+    # routed experts are INT4 (the release's scheme), which SGLang's Marlin MoE runs.
     assert config["kernels"] == {"decode_attention": "flashmla", "w4a16": "sglang"}
+
+
+def test_an_expert_parallel_int4_decode_pool_runs_tesseras_dense_gemms_by_default() -> None:
+    md = example("01-kimi-k2")
+    md["spec"]["decode"].update(expertParallel=8)
+    md["spec"]["decode"]["weights"]["quantize"] = ["attention", "sharedExperts", "routedExperts"]
+    kids = children_of(md)
+    configs = {p: yaml.safe_load(kids[("ConfigMap", f"kimi-k2-{p}-config")]["data"]["runtime.json"])
+               for p in ("prefill", "decode")}
+    assert configs["decode"]["kernels"]["w4a16"] == "tessera"
+    assert configs["prefill"]["kernels"]["w4a16"] == "sglang"  # FP8 weights
 
 
 def test_kernel_switches_reach_the_phase_runtime_config() -> None:
