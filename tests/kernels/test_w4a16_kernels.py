@@ -13,6 +13,7 @@ from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
+    _candidates,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_reference,
@@ -319,6 +320,21 @@ def test_fused_moe_rejects_mismatched_routing():
     ids = torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="token count"):
         fused_moe(make_x(3, 128, 0), w, w2, torch.ones(3, 1, device=DEVICE), ids)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("n,k", [(7168, 1024), (7168, 256), (2112, 7168)])
+def test_gemm_one_launch_tiles_real_shapes(m, n, k):
+    """The unsplit tiles the tuner offers at M <= 16 (the decode slice's small linears)."""
+    w = make_weight((n, k), 32, True, seed=n + k)
+    x = make_x(m, k, seed=m)
+    ref = w4a16_matmul_reference(x, w)
+    tiles = [c for c in _candidates(m, n, k) if c.split_k == 1]
+    assert tiles
+    for cfg in tiles:
+        assert rel_l2(w4a16_matmul(x, w, cfg), ref) <= REL_L2, cfg
 
 
 @gpu
