@@ -8,7 +8,10 @@ few configs). Every timing is a CUDA-graph replay of many calls cycling through 
 and input sets (working set above the 60 MB L2), median of replays, all in this one run.
 
     python bench/w4a16_bench.py [--quick] [--m 1,16,512] [--candidates] [--sglang-kernels PATH]
-                                [--out DIR] [--tag _v3]
+                                [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--out DIR]
+                                [--tag _v3]
+
+``--marlin`` also times SGLang's Marlin (bench/marlin.py) on the same weights, repacked.
 
 ``--candidates`` also times every tile the GEMM tuner may pick, side by side, and the parts of
 the MoE forward (alignment, both GEMMs, top-k sum) against the torch ops they replaced.
