@@ -49,6 +49,9 @@ def test_table_compares_precisions_per_phase(tmp_path, capsys):
     # the decode attention each phase gets, and why
     assert "decode attention sglang: a prefill pool does not decode" in out
     assert "decode attention flashmla: fastest measured for MLA with fp8_e4m3 KV at 8" in out
+    # and its INT4 kernels: the default scheme quantizes only the routed experts
+    assert "w4a16 sglang: fp8 weights: no tessera INT4 kernel" in out
+    assert "w4a16 sglang: only the routed experts are INT4" in out
 
 
 def test_json_matches_the_plan(tmp_path, capsys):
@@ -64,6 +67,18 @@ def test_json_matches_the_plan(tmp_path, capsys):
     assert doc["decodeAttention"]["decode"]["impl"] == "flashmla"
     assert doc["decodeAttention"]["prefill"] == {"impl": "sglang",
                                                  "reason": "a prefill pool does not decode"}
+    assert doc["w4a16"]["decode"]["impl"] == "sglang"
+
+
+def test_json_names_tessera_for_an_expert_parallel_int4_decode_pool(tmp_path, capsys):
+    decode = {"replicas": 1, "tensorParallel": 8, "expertParallel": 8,
+              "weights": {"dtype": "int4", "groupSize": 32,
+                          "quantize": ["attention", "sharedExperts", "routedExperts"]},
+              "kvCache": {"dtype": "fp8_e4m3"}}
+    assert main(["plan", str(manifest(tmp_path, decode=decode)), "--json"]) == 0
+    choice = json.loads(capsys.readouterr().out)["w4a16"]["decode"]
+    assert choice["impl"] == "tessera"
+    assert "SGLang's Marlin MoE for the experts" in choice["reason"]
 
 
 def test_error_findings_exit_1(tmp_path, capsys):
