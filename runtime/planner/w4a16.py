@@ -4,10 +4,11 @@ The fastest measured set for the phase. The decode slice (docs/decode-slice.md, 
 through our kernels or Marlin") ran one Kimi K2 and one GLM 5 decode GPU at TP 8 / EP 8 with
 each set: tessera's dense INT4 GEMMs with SGLang's Marlin MoE for the experts was the fastest
 at every concurrency but GLM 5's 64 requests (over FP8 weights at 64 requests: +30% and +19%,
-against +18% and +5% with Marlin alone and +18% and +21% with tessera alone). `w4a16: tessera` on a pool with expert
-parallelism is exactly that set: the adapter leaves expert-parallel MoE layers to SGLang's
-Marlin (runtime/sglang_kernels/w4a16.py). Where nothing was measured (prefill-sized GEMMs, MoE
-without expert parallelism, where tessera would also run the experts) SGLang keeps Marlin.
+against +18% and +5% with Marlin alone and +18% and +21% with tessera alone). `w4a16: tessera`
+on a pool with expert parallelism is exactly that set: the adapter leaves expert-parallel MoE
+layers to SGLang's Marlin (runtime/sglang_kernels/w4a16.py). Where nothing was measured
+(prefill-sized GEMMs, MoE without expert parallelism, where tessera would also run the
+experts) SGLang keeps Marlin.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def choose_w4a16(phase: PhaseSpec, weights_format: str) -> W4A16Choice:
                                      "Marlin measured faster; docs/sglang-kernels.md")
     if phase.expert_parallel == 1:
         return W4A16Choice("sglang", "no expert parallelism: tessera would also run the experts, "
-                                     "where Marlin's MoE measured faster at 2-16 rows per expert")
+                                     "where Marlin's MoE measured faster at most decode sizes")
     return W4A16Choice("tessera", "decode with expert parallelism: tessera's dense INT4 GEMMs, "
                                   "SGLang's Marlin MoE for the experts, the fastest set measured; "
                                   "docs/sglang-kernels.md")

@@ -39,7 +39,8 @@ def choice(s: dict, phase: str = "decode", weights_format: str = "compressed-ten
      "only the routed experts are INT4"),
     (spec(), "decode", "gptq", "sglang", "int4 in gptq"),
     # an explicit choice wins over the measurements
-    (spec(kernels={"w4a16": "sglang"}), "decode", "compressed-tensors", "sglang", "set in the spec"),
+    (spec(kernels={"w4a16": "sglang"}), "decode", "compressed-tensors", "sglang",
+     "set in the spec"),
     (spec("single", kernels={"w4a16": "tessera"}), "single", "compressed-tensors", "tessera",
      "set in the spec"),
 ])  # fmt: skip
