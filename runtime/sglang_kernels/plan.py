@@ -52,7 +52,8 @@ def plan_decode_attention(switch: str, kv_dtype: str) -> FamilyPlan:
     )
 
 
-def plan_w4a16(switch: str, weights_dtype: str, weights_format: str) -> FamilyPlan:
+def plan_w4a16(switch: str, weights_dtype: str, weights_format: str,
+               expert_parallel: int = 1) -> FamilyPlan:
     if switch != "tessera":
         return FamilyPlan(W4A16, False, "switch set to sglang")
     if weights_dtype != "int4":
@@ -66,6 +67,10 @@ def plan_w4a16(switch: str, weights_dtype: str, weights_format: str) -> FamilyPl
             f"no-op: int4 weights in {weights_format} format load through SGLang's Marlin path, "
             "which tessera does not adapt; use compressed-tensors pack-quantized checkpoints",
         )
+    if expert_parallel > 1:  # the adapter serves local expert ids only (w4a16.moe_unsupported)
+        return FamilyPlan(W4A16, True, "compressed-tensors W4A16 linear layers run tessera's INT4 "
+                                       f"GEMM; MoE layers stay on SGLang's Marlin (expert "
+                                       f"parallelism {expert_parallel})")
     return FamilyPlan(
         W4A16, True, "compressed-tensors W4A16 linear and MoE layers run tessera's INT4 kernels"
     )
@@ -76,6 +81,7 @@ def plan_kernels(config: RuntimeConfig) -> KernelPlan:
     return KernelPlan(
         (
             plan_decode_attention(switches.decode_attention, config.kv_cache.dtype),
-            plan_w4a16(switches.w4a16, config.weights.dtype, config.weights.format),
+            plan_w4a16(switches.w4a16, config.weights.dtype, config.weights.format,
+                       config.parallel.expert),
         )
     )

@@ -12,6 +12,7 @@ from tessera.runtime.config import (
     KernelsConfig,
     KVCacheConfig,
     ModelConfig,
+    ParallelConfig,
     RuntimeConfig,
     WeightsConfig,
 )
@@ -81,6 +82,16 @@ def test_plan_covers_every_crd_combination(kv, weights, switches):
         assert not w4.patch and w4.reason.startswith("no-op")
         assert weights[0] in w4.reason or weights[1] in w4.reason
     assert len(plan.lines()) == 2
+
+
+@pytest.mark.parametrize("expert, says", [
+    (1, "linear and MoE layers run tessera's INT4 kernels"),
+    (8, "MoE layers stay on SGLang's Marlin (expert parallelism 8)"),
+])
+def test_w4a16_says_which_layers_it_serves(expert, says):
+    cfg = config().model_copy(update={"parallel": ParallelConfig(tensor=8, expert=expert)})
+    w4 = {f.family: f for f in plan_kernels(cfg).families}["w4a16"]
+    assert w4.patch and says in w4.reason
 
 
 def test_pinned_contract_matches_the_installed_sglang():
