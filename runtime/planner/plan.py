@@ -482,24 +482,16 @@ def _phase_spec(name: str, raw: Any, arch: Architecture, gpus_per_node: int) -> 
         page_size=_positive_int(kv, "pageSize", f"{path}.kvCache", default=DEFAULT_PAGE_SIZE),
         mem_fraction_static=None if fraction is None else float(fraction),
         nodes=nodes_per_replica(tp, gpus_per_node),
-        decode_attention=_decode_attention(raw, path),
-        w4a16=_w4a16(raw, path),
+        decode_attention=_kernel_switch(raw, path, "decodeAttention", DecodeAttentionImpl),
+        w4a16=_kernel_switch(raw, path, "w4a16", KernelImpl),
     )
 
 
-def _decode_attention(raw: Mapping[str, Any], path: str) -> DecodeAttentionImpl | None:
-    value = _mapping(raw, "kernels", path).get("decodeAttention")
-    if value is not None and value not in get_args(DecodeAttentionImpl):
-        raise PlanError(f"{path}.kernels.decodeAttention {value!r} is not one of "
-                        f"{list(get_args(DecodeAttentionImpl))}")
-    return value
-
-
-def _w4a16(raw: Mapping[str, Any], path: str) -> KernelImpl | None:
-    value = _mapping(raw, "kernels", path).get("w4a16")
-    if value is not None and value not in get_args(KernelImpl):
-        raise PlanError(f"{path}.kernels.w4a16 {value!r} is not one of "
-                        f"{list(get_args(KernelImpl))}")
+def _kernel_switch(raw: Mapping[str, Any], path: str, name: str, impls: Any) -> Any:
+    """`kernels.<name>` as the spec sets it (one of the Literal `impls`), or None when unset."""
+    value = _mapping(raw, "kernels", path).get(name)
+    if value is not None and value not in get_args(impls):
+        raise PlanError(f"{path}.kernels.{name} {value!r} is not one of {list(get_args(impls))}")
     return value
 
 
