@@ -1,0 +1,75 @@
+"""Registers, stack and the main loop's instruction mix of the MLA decode kernels, without a GPU.
+
+Compiles the stage-1 MLA kernel the launcher picks for a head count (``pick_config``: 16 heads
+a program below 64 heads, 64 heads with 8 warps from 64 on; BF16 from 64 heads in the
+transposed kernel) for sm_90 with Triton's bundled ptxas, as the JIT specializes it for real
+shapes (16-byte aligned pointers, strides divisible by 16), and prints registers and stack
+(spills) per thread and the opcode mix of the tile loop (the longest backward branch).
+
+    python bench/mla_sass.py [--balanced] [HEADS ...]   # default: 16 64 128, BF16 and FP8
+
+``--balanced``: the kernel compiled for balanced splits (a caller that passes the batch's total
+length, as the decode slice does); without it, equal splits (``bench/mla_profile.py``'s runs).
+Run it with the Triton version of the GPU image: the register allocation differs between them.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from tessera.kernels.paged_decode_split import _mla_kernel, _mla_tokens_m_kernel, pick_config
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from w4a16_sass import loop_opcodes, resources
+
+POINTERS = ("Q", "KV", "KV_SCALE", "seq_lens", "indptr", "indices", "part_out", "part_lse")
+SCALARS = ("sm_scale_log2e", "num_splits", "fixed_split_len", "head_blocks", "num_heads",
+           "stride_qb", "stride_qh", "stride_kv_slot", "stride_s_slot", "stride_pb", "stride_ph",
+           "stride_ps")  # fmt: skip
+STRIDES = {"stride_qb", "stride_qh", "stride_kv_slot", "stride_pb", "stride_ph"}
+
+
+def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
+    cfg = pick_config(576, heads, True, fp8=fp8)
+    fn = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
+    types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
+             "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
+             "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip
+    signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
+    constexprs = {"PAGE_SIZE": 64, "ENTRIES_PER_PAGE": 1, "LENS_ARE_ENDS": False,
+                  "BALANCED": balanced, "D": 512, "D_ROPE": 64, "BLOCK_H": cfg.block_h,
+                  "BLOCK_N": cfg.block_n, "FP8": fp8, "INTERPRETED": False,
+                  "QK_PARTS": cfg.qk_fp8_parts, "PV_PARTS": cfg.pv_fp8_parts}  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers:
+        options["maxnreg"] = cfg.max_registers
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    balanced = "--balanced" in args
+    heads = [int(h) for h in args if h != "--balanced"] or [16, 64, 128]
+    with tempfile.TemporaryDirectory() as tmp:
+        for h in heads:
+            for fp8 in (False, True):
+                cubin, what = compile_cubin(h, fp8, balanced)
+                path = Path(tmp) / f"mla_{h}_{int(fp8)}.cubin"
+                path.write_bytes(cubin)
+                ops = loop_opcodes(path)
+                top = ", ".join(f"{op} {n}" for op, n in ops.most_common(12))
+                spills = sum(n for op, n in ops.items() if op in ("STL", "LDL"))
+                print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
+                      f"{sum(ops.values())} instructions, {spills} spill loads/stores "
+                      f"(STL/LDL); {top}\n  {what}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
