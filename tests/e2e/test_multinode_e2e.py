@@ -178,7 +178,15 @@ def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(
             return got if ("prefill 1/2 ready" in got["Ready"].get("message", "")
                            and got["Degraded"]["status"] == "True") else None
 
-        got = poll("Ready False and Degraded: prefill 1/2 ready", short, READY_TIMEOUT_S)
+        def state() -> dict[str, Any]:
+            [lws] = objects(kubectl, namespace, "leaderworkersets")
+            return {"conditions": conditions(get_md(kubectl, namespace, "loss")),
+                    "lws_status": lws.get("status"),
+                    "prefill_pods": {p["metadata"]["name"]: p["status"].get("phase")
+                                     for p in pods(kubectl, namespace, "prefill")}}
+
+        got = poll("Ready False and Degraded: prefill 1/2 ready", short, READY_TIMEOUT_S,
+                   seen=state)
         assert got["Ready"]["status"] == "False"
         assert "prefill 1/2 ready" in got["Degraded"]["message"]
         # LWS deleted the group's leader too (the whole group restarts), not only the worker.

@@ -33,12 +33,15 @@ WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 ENGINE_PHASES = ("prefill", "decode")
 
 
-def poll(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """check()'s first truthy value; fails naming `what` after `timeout` seconds."""
+def poll(what: str, check: Callable[[], Any], timeout: float = 60.0,
+         seen: Callable[[], Any] | None = None) -> Any:
+    """check()'s first truthy value; fails naming `what` after `timeout` seconds, and what
+    `seen()` shows then (the state the wait was for)."""
     deadline = time.monotonic() + timeout
     while not (value := check()):
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+            last = f"; last seen: {seen()}" if seen else ""
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{last}")
         time.sleep(0.3)
     return value
 
