@@ -22,6 +22,11 @@ from tessera.runtime.planner.weights import Module
 if TYPE_CHECKING:
     from tessera.runtime.planner.plan import PhaseSpec
 
+# Modules SGLang runs through the compressed-tensors linear scheme (the embedding is a lookup,
+# the routed experts the MoE scheme).
+LINEAR_MODULES = frozenset({Module.ATTENTION, Module.DENSE_MLP, Module.SHARED_EXPERTS,
+                            Module.LM_HEAD})
+
 
 @dataclass(frozen=True)
 class W4A16Choice:
@@ -37,8 +42,9 @@ def choose_w4a16(phase: PhaseSpec, weights_format: str) -> W4A16Choice:
         return W4A16Choice("sglang", f"{phase.weights.dtype} weights: no tessera INT4 kernel")
     if weights_format != "compressed-tensors":
         return W4A16Choice("sglang", f"int4 in {weights_format}: SGLang's Marlin path")
-    if not phase.weights.quantized - {Module.ROUTED_EXPERTS}:
-        return W4A16Choice("sglang", "only the routed experts are INT4: SGLang's Marlin MoE")
+    if not phase.weights.quantized & LINEAR_MODULES:
+        return W4A16Choice("sglang", "no INT4 linear layers: the INT4 routed experts run "
+                                     "SGLang's Marlin MoE")
     if phase.name != "decode":
         return W4A16Choice("sglang", f"a {phase.name} pool runs prefill-sized GEMMs, where "
                                      "Marlin measured faster; docs/sglang-kernels.md")

@@ -51,7 +51,7 @@ def test_table_compares_precisions_per_phase(tmp_path, capsys):
     assert "decode attention flashmla: fastest measured for MLA with fp8_e4m3 KV at 8" in out
     # and its INT4 kernels: the default scheme quantizes only the routed experts
     assert "w4a16 sglang: fp8 weights: no tessera INT4 kernel" in out
-    assert "w4a16 sglang: only the routed experts are INT4" in out
+    assert "w4a16 sglang: no INT4 linear layers" in out
 
 
 def test_json_matches_the_plan(tmp_path, capsys):

@@ -36,7 +36,9 @@ def choice(s: dict, phase: str = "decode", weights_format: str = "compressed-ten
     (spec("single"), "single", "compressed-tensors", "sglang", "prefill-sized GEMMs"),
     (spec(), "prefill", "compressed-tensors", "sglang", "fp8 weights"),
     (spec(weights={"dtype": "int4", "groupSize": 32}), "decode", "compressed-tensors", "sglang",
-     "only the routed experts are INT4"),
+     "no INT4 linear layers"),
+    (spec(weights={"dtype": "int4", "groupSize": 32, "quantize": ["routedExperts", "embedding"]}),
+     "decode", "compressed-tensors", "sglang", "no INT4 linear layers"),
     (spec(), "decode", "gptq", "sglang", "int4 in gptq"),
     # an explicit choice wins over the measurements
     (spec(kernels={"w4a16": "sglang"}), "decode", "compressed-tensors", "sglang",
