@@ -11,7 +11,6 @@ from typing import Any
 from tessera.operator import constants as c
 from tessera.operator.children import endpoint_selector, nodes_per_replica, phases_of
 from tessera.runtime.config import (
-    FORMATS_FOR_DTYPE,
     DisaggregationConfig,
     Discovery,
     IntegrityConfig,
@@ -50,8 +49,6 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
     planned = plan.phases[phase]
     weights = raw["weights"]
     integrity = bool(spec.get("integrity", {}).get("enabled", False))
-    # Unset format: the first that can hold the dtype (int4: compressed-tensors).
-    weights_format = weights.get("format", FORMATS_FOR_DTYPE[planned.spec.weights.dtype][0])
     return RuntimeConfig(
         deployment=meta["name"],
         namespace=meta["namespace"],
@@ -59,7 +56,8 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         engine_version=spec["engine"].get("version", "0.5.23"),
         model=ModelConfig(name=spec["model"]["name"], path=checkpoint_path(weights["uri"]),
                           uri=weights["uri"], context_length=plan.context_length),
-        weights=WeightsConfig(dtype=planned.spec.weights.dtype, format=weights_format,
+        weights=WeightsConfig(dtype=planned.spec.weights.dtype,
+                              format=planned.spec.checkpoint_format,
                               group_size=weights.get("groupSize")),
         kv_cache=KVCacheConfig(dtype=planned.spec.kv_dtype,
                                page_size=planned.spec.page_size),
@@ -75,7 +73,7 @@ def runtime_config(md: Mapping[str, Any], plan: DeploymentPlan, phase: str) -> R
         # both roles of a disaggregated pair.
         kernels=KernelsConfig(decode_attention=choose_decode_attention(plan.architecture,
                                                                        planned.spec).impl,
-                              w4a16=choose_w4a16(planned.spec, weights_format).impl),
+                              w4a16=choose_w4a16(planned.spec).impl),
         integrity=IntegrityConfig(enabled=integrity and phase != c.PREFILL),
         disaggregation=disaggregation_config(spec, phase, integrity),
     )

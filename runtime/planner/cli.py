@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tessera.runtime.config import FORMATS_FOR_DTYPE
 from tessera.runtime.planner.decode_attention import choose_decode_attention
 from tessera.runtime.planner.errors import PlanError
 from tessera.runtime.planner.plan import (
@@ -23,7 +22,7 @@ from tessera.runtime.planner.plan import (
     plan_deployment,
 )
 from tessera.runtime.planner.transfer import TransferPlan, plan_transfers, transfer_prompts
-from tessera.runtime.planner.w4a16 import W4A16Choice, choose_w4a16
+from tessera.runtime.planner.w4a16 import choose_w4a16
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tessera plan: {args.file}: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(spec, plan, variants, transfers), indent=2))
+        print(json.dumps(plan_json(plan, variants, transfers), indent=2))
     else:
         print(render(name, spec, plan, variants, transfers))
     return 0 if plan.ok else 1
@@ -70,14 +69,7 @@ def load_spec(path: Path) -> tuple[str, dict[str, Any]]:
     return str((doc.get("metadata") or {}).get("name", "?")), doc["spec"]
 
 
-def w4a16_choice(spec: dict[str, Any], phase: str, plan: DeploymentPlan) -> W4A16Choice:
-    """The phase's INT4 kernels, with the weights format as the operator resolves it."""
-    dtype = plan.phases[phase].spec.weights.dtype
-    fmt = (spec[phase].get("weights") or {}).get("format", FORMATS_FOR_DTYPE[dtype][0])
-    return choose_w4a16(plan.phases[phase].spec, fmt)
-
-
-def plan_json(spec: dict[str, Any], plan: DeploymentPlan, variants: dict[str, list[PhasePlan]],
+def plan_json(plan: DeploymentPlan, variants: dict[str, list[PhasePlan]],
               transfers: Sequence[TransferPlan] = ()) -> dict[str, Any]:
     prompts = transfer_prompts(plan.context_length)
     return {
@@ -90,7 +82,7 @@ def plan_json(spec: dict[str, Any], plan: DeploymentPlan, variants: dict[str, li
                        for phase, plans in variants.items()},
         "decodeAttention": {phase: vars(choose_decode_attention(plan.architecture, p.spec))
                             for phase, p in plan.phases.items()},
-        "w4a16": {phase: vars(w4a16_choice(spec, phase, plan)) for phase in plan.phases},
+        "w4a16": {phase: vars(choose_w4a16(p.spec)) for phase, p in plan.phases.items()},
     }
 
 
@@ -128,7 +120,7 @@ def render(name: str, spec: dict[str, Any], plan: DeploymentPlan,
         lines += _table(headers, rows)
         attention = choose_decode_attention(plan.architecture, s)
         lines.append(f"decode attention {attention.impl}: {attention.reason}")
-        w4a16 = w4a16_choice(spec, phase, plan)
+        w4a16 = choose_w4a16(s)
         lines.append(f"w4a16 {w4a16.impl}: {w4a16.reason}")
         if chosen.handover_staging_bytes_per_gpu:
             lines.append(f"handover staging {chosen.handover_staging_bytes_per_gpu / 2**30:.2f} "

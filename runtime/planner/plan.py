@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from tessera.runtime.capabilities import FP8_KV_MIN_COMPUTE_CAPABILITY, KV_HANDOFF_CONVERSIONS
-from tessera.runtime.config import DecodeAttentionImpl, KernelImpl
+from tessera.runtime.config import FORMATS_FOR_DTYPE, DecodeAttentionImpl, KernelImpl
 from tessera.runtime.fetch.source import is_remote
 from tessera.runtime.planner.architecture import Architecture, resolve_architecture
 from tessera.runtime.planner.decode_attention import flashmla_problem
@@ -96,6 +96,13 @@ class PhaseSpec:
     # kernels.decodeAttention as the spec says it; None: the measured winner (decode_attention.py)
     decode_attention: DecodeAttentionImpl | None = None
     w4a16: KernelImpl | None = None  # kernels.w4a16 likewise (w4a16.py)
+    weights_format: str | None = None  # weights.format as the spec says it
+
+    @property
+    def checkpoint_format(self) -> str:
+        """The weights' checkpoint format; unset, the first that can hold the dtype (int4:
+        compressed-tensors)."""
+        return self.weights_format or FORMATS_FOR_DTYPE[self.weights.dtype][0]
 
     @property
     def attention_tp(self) -> int:
@@ -484,6 +491,7 @@ def _phase_spec(name: str, raw: Any, arch: Architecture, gpus_per_node: int) -> 
         nodes=nodes_per_replica(tp, gpus_per_node),
         decode_attention=_kernel_switch(raw, path, "decodeAttention", DecodeAttentionImpl),
         w4a16=_kernel_switch(raw, path, "w4a16", KernelImpl),
+        weights_format=weights.get("format"),
     )
 
 

@@ -34,14 +34,14 @@ class W4A16Choice:
     reason: str
 
 
-def choose_w4a16(phase: PhaseSpec, weights_format: str) -> W4A16Choice:
+def choose_w4a16(phase: PhaseSpec) -> W4A16Choice:
     """The spec's choice if it made one, else the fastest measured for this phase."""
     if phase.w4a16 is not None:
         return W4A16Choice(phase.w4a16, "set in the spec")
     if phase.weights.dtype != "int4":
         return W4A16Choice("sglang", f"{phase.weights.dtype} weights: no tessera INT4 kernel")
-    if weights_format != "compressed-tensors":
-        return W4A16Choice("sglang", f"int4 in {weights_format}: SGLang's Marlin path")
+    if phase.checkpoint_format != "compressed-tensors":
+        return W4A16Choice("sglang", f"int4 in {phase.checkpoint_format}: SGLang's Marlin path")
     if not phase.weights.quantized & LINEAR_MODULES:
         return W4A16Choice("sglang", "no INT4 linear layers: the INT4 routed experts run "
                                      "SGLang's Marlin MoE")

@@ -24,30 +24,31 @@ def spec(phase: str = "decode", weights: dict | None = None, **fields) -> dict:
     }
 
 
-def choice(s: dict, phase: str = "decode", weights_format: str = "compressed-tensors"):
-    return choose_w4a16(plan_deployment(s).phases[phase].spec, weights_format)
+def choice(s: dict, phase: str = "decode"):
+    return choose_w4a16(plan_deployment(s).phases[phase].spec)
 
 
-@pytest.mark.parametrize("s, phase, fmt, impl, because", [
-    # decode, EP 8, INT4 dense linears: the slice's fastest set
-    (spec(), "decode", "compressed-tensors", "tessera", "Marlin MoE for the experts"),
+GPTQ = {"dtype": "int4", "groupSize": 32, "quantize": INT4_DENSE, "format": "gptq"}
+
+
+@pytest.mark.parametrize("s, phase, impl, because", [
+    # decode, EP 8, INT4 dense linears in compressed-tensors (the default format for int4)
+    (spec(), "decode", "tessera", "Marlin MoE for the experts"),
     # nothing measured, or nothing for tessera to run: SGLang keeps Marlin
-    (spec(expertParallel=1), "decode", "compressed-tensors", "sglang", "no expert parallelism"),
-    (spec("single"), "single", "compressed-tensors", "sglang", "prefill-sized GEMMs"),
-    (spec(), "prefill", "compressed-tensors", "sglang", "fp8 weights"),
-    (spec(weights={"dtype": "int4", "groupSize": 32}), "decode", "compressed-tensors", "sglang",
+    (spec(expertParallel=1), "decode", "sglang", "no expert parallelism"),
+    (spec("single"), "single", "sglang", "prefill-sized GEMMs"),
+    (spec(), "prefill", "sglang", "fp8 weights"),
+    (spec(weights={"dtype": "int4", "groupSize": 32}), "decode", "sglang",
      "no INT4 linear layers"),
     (spec(weights={"dtype": "int4", "groupSize": 32, "quantize": ["routedExperts", "embedding"]}),
-     "decode", "compressed-tensors", "sglang", "no INT4 linear layers"),
-    (spec(), "decode", "gptq", "sglang", "int4 in gptq"),
+     "decode", "sglang", "no INT4 linear layers"),
+    (spec(weights=GPTQ), "decode", "sglang", "int4 in gptq"),
     # an explicit choice wins over the measurements
-    (spec(kernels={"w4a16": "sglang"}), "decode", "compressed-tensors", "sglang",
-     "set in the spec"),
-    (spec("single", kernels={"w4a16": "tessera"}), "single", "compressed-tensors", "tessera",
-     "set in the spec"),
+    (spec(kernels={"w4a16": "sglang"}), "decode", "sglang", "set in the spec"),
+    (spec("single", kernels={"w4a16": "tessera"}), "single", "tessera", "set in the spec"),
 ])  # fmt: skip
-def test_w4a16_per_phase(s, phase, fmt, impl, because):
-    got = choice(s, phase, fmt)
+def test_w4a16_per_phase(s, phase, impl, because):
+    got = choice(s, phase)
     assert got.impl == impl
     assert because in got.reason
 
