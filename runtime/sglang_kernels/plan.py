@@ -53,7 +53,7 @@ def plan_decode_attention(switch: str, kv_dtype: str) -> FamilyPlan:
 
 
 def plan_w4a16(switch: str, weights_dtype: str, weights_format: str,
-               expert_parallel: int = 1) -> FamilyPlan:
+               expert_parallel: int) -> FamilyPlan:
     if switch != "tessera":
         return FamilyPlan(W4A16, False, "switch set to sglang")
     if weights_dtype != "int4":
