@@ -8,10 +8,12 @@ few configs). Every timing is a CUDA-graph replay of many calls cycling through 
 and input sets (working set above the 60 MB L2), median of replays, all in this one run.
 
     python bench/w4a16_bench.py [--quick] [--m 1,16,512] [--candidates] [--sglang-kernels PATH]
-                                [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--out DIR]
-                                [--tag _v3]
+                                [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--slice-linears]
+                                [--out DIR] [--tag _v3]
 
-``--marlin`` also times SGLang's Marlin (bench/marlin.py) on the same weights, repacked.
+``--marlin`` also times SGLang's Marlin (bench/marlin.py) on the same weights, repacked. Where the
+tuned GEMM splits K, the same tile with the three-launch split (fp32 atomics into a zeroed
+output, then a cast) is timed beside it (``int4_three_launch_split_us``).
 
 ``--candidates`` also times every tile the GEMM tuner may pick, side by side, and the parts of
 the MoE forward (alignment, both GEMMs, top-k sum) against the torch ops they replaced.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import datetime
 import json
 import math
@@ -57,6 +60,10 @@ GEMM_SHAPES = {  # name: (N, K, group) per GPU
     "kimi-k2 dense down TP8": (7168, 2304, 128),
     "N16384_K7168 group 32": (16384, 7168, 32),
 }
+# --slice-linears: the decode slice's INT4 linears on one Kimi K2 GPU (N, K), group 32: fused
+# q_a + kv_a, q_b, o_proj, shared expert up and down, dense MLP up and down
+SLICE_LINEARS = ((2112, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256),
+                 (4608, 7168), (7168, 2304))  # fmt: skip
 MOE_SHAPES = {  # name: (experts, hidden, expert width, top_k, group)
     "kimi-like 384x7168x2048 top8 g32": (384, 7168, 2048, 8, 32),
     "kimi-like 384x7168x2048 top8 g128": (384, 7168, 2048, 8, 128),
@@ -152,6 +159,12 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             )
             marlin["x_vs_marlin"] = marlin["marlin_us"] / t_int4
             marlin["marlin_rel_l2_vs_fp32"] = rel_l2(MARLIN.gemm(xs[0], *mws[0], out_m), ref)
+        tuned = [v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(m), n, k)]
+        if tuned and tuned[-1].split_k > 1:  # the same tile with the three-launch split
+            old = dataclasses.replace(tuned[-1], counted=False)
+            marlin["int4_three_launch_split_us"] = graph_time_us(
+                lambda i, xs=xs, c=old: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
+            )
         per_config = {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k):
@@ -170,14 +183,15 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
             "rel_l2_vs_fp32": err,
-            "tuned_config": [str(v) for key, v in _TUNED.items()
-                             if key[:4] == ("gemm", _m_bucket(m), n, k)],
+            "tuned_config": [str(v) for v in tuned],
         })  # fmt: skip
         print(f"gemm {name:32s} M={m:5d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
               + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
-                 if marlin else ""),
+                 if "marlin_us" in marlin else "")
+              + (f"  three-launch split {marlin['int4_three_launch_split_us']:6.1f}us"
+                 if "int4_three_launch_split_us" in marlin else ""),
               flush=True)  # fmt: skip
     return rows
 
@@ -506,6 +520,9 @@ def main() -> None:
                     help="MoE sizes as average rows per expert, comma-separated (1,2,4,8,16): "
                          "token counts per shape, on the releases' shapes")  # fmt: skip
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
+    ap.add_argument("--slice-linears", action="store_true",
+                    help="GEMM on the decode slice's INT4 linears (Kimi K2, group 32) and the "
+                         "two target shapes")  # fmt: skip
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument(
         "--marlin", type=Path, help="folder of Marlin's modules built by bench/marlin_jit_build.py"
@@ -525,6 +542,9 @@ def main() -> None:
     if args.m:
         m_values = tuple(int(v) for v in args.m.split(","))
     gemm_shapes = dict(list(GEMM_SHAPES.items())[:2]) if args.quick else GEMM_SHAPES
+    if args.slice_linears:
+        gemm_shapes = {**{f"slice N{n}_K{k} g32": (n, k, 32) for n, k in SLICE_LINEARS},
+                       **dict(list(GEMM_SHAPES.items())[:2])}  # fmt: skip
     tokens = (1, 16, 64) if args.quick else MOE_TOKENS
     if args.tokens:
         tokens = tuple(int(v) for v in args.tokens.split(","))

@@ -7,7 +7,7 @@ Profiles the GEMM at M = 1, 16384 x 7168, group 128, on both paths the v5 tuner 
 (the weights-first 8 x 256 tensor-core tile with 4 K splits, and the CUDA-core GEMV with 128
 columns and 8 K splits), and the MoE up GEMM at one token (Kimi-like experts, group 32).
 With ``--slice``: the decode slice's INT4 linears at one token (Kimi K2's, group 32), each as
-the tuner runs it (every launch of the call: zeroing, GEMM, cast), with each call's CUDA-graph
+the tuner runs it (every launch of the call), with each call's CUDA-graph
 time printed. Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
@@ -20,6 +20,7 @@ from tessera.kernels.w4a16_format import PACK, W4A16Weight
 from tessera.kernels.w4a16_gemm import _TUNED, GemmConfig, _m_bucket, w4a16_matmul
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, moe_gemm
 from timing import graph_time_us
+from w4a16_bench import SLICE_LINEARS
 
 
 def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
@@ -29,10 +30,6 @@ def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
     return W4A16Weight(qweight, scales, None, group)
 
 
-# the decode slice's INT4 linears on one Kimi K2 GPU (N, K): fused q_a + kv_a, q_b, o_proj,
-# shared expert up and down, dense MLP up and down
-SLICE_LINEARS = ((2112, 7168), (1536, 1536), (7168, 1024), (512, 7168), (7168, 256),
-                 (4608, 7168), (7168, 2304))  # fmt: skip
 
 
 def profile_slice_linears() -> None:

@@ -18,9 +18,11 @@ offset when a group spans the whole K step, and the scale then multiplies the
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
 counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
-Split-K (fp32 atomics) gives small N enough programs to fill the GPU. For large M the launcher can
-instead dequantize to bf16 once and call cuBLAS; which path and tile to use is measured once per
-(M bucket, N, K, group, zeros, device) and cached (:func:`w4a16_matmul`).
+Split K gives small N enough programs to fill the GPU; the splits meet inside the launch, in a
+workspace that every launch leaves zero (:func:`counted_workspace`), so a split call is one
+launch. For large M the launcher can instead dequantize to bf16 once and call cuBLAS; which path
+and tile to use is measured once per (M bucket, N, K, group, zeros, device) and cached
+(:func:`w4a16_matmul`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .w4a16_format import PACK, W4A16Weight, dequantize
 
 __all__ = [
     "GemmConfig",
+    "counted_workspace",
     "interpreted",
     "tune_cached",
     "w4a16_dequantize",
@@ -267,24 +270,69 @@ def _w4a16_accumulate(
     return acc
 
 
+@triton.jit
+def _gpu_fence(x, FENCE: tl.constexpr):
+    """``x`` after a ``fence.acq_rel.gpu`` in this thread; the result carries the order to
+    whatever is computed from it. Without ``FENCE`` (the interpreter, which runs programs one
+    after another and has no PTX) just ``x``."""
+    if FENCE:
+        x = tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
+    """The parts of a sum (K splits, a token's top-k rows) meet inside one launch: add this
+    program's fp32 ``part`` at ``sums`` and count it at ``counts`` (int32), both from
+    :func:`counted_workspace` (zero); returns where this program added an element's last of
+    ``parts`` parts. That program resets the element's count here and takes its sum with
+    :func:`_take_sums`, which resets the sum: the workspace is zero again after every launch,
+    so no launch zeroes it and none casts the result.
+
+    Every element has its own count, and every thread learns from its own increments whether it
+    was last: no value is broadcast to the program through shared memory. The barrier puts all
+    of the program's adds before any of its counts (the compiler may give the adds and the
+    counts different thread layouts), and one GPU fence per thread on each side makes them a
+    release and an acquire (acquire-release atomics put a fence before every count: the dense
+    GEMM at M = 16 took 1.6x). A count per tile instead (one thread's increment, its result
+    broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
+    (bench/results/w4a16_splitk_stress_fused.json)."""
+    tl.atomic_add(sums, part, mask=mask, sem="relaxed")
+    tl.debug_barrier()
+    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)  # release: every add of the program first
+    arrived = tl.atomic_add(counts + zero, 1, mask=mask, sem="relaxed")
+    zero = _gpu_fence(tl.min(arrived) * 0, FENCE)  # acquire: after every count
+    last = mask & (arrived + zero == parts - 1)
+    tl.atomic_xchg(counts, 0, mask=last, sem="relaxed")  # every part has counted: reset
+    return last
+
+
+@triton.jit
+def _take_sums(sums, last):
+    """The whole sums where ``last`` (read at L2, where the atomics were performed, and reset
+    to zero there), 0 elsewhere. The exchange is on the bits (fp32 zero is all-zero bits; the
+    interpreter exchanges integers only)."""
+    bits = sums.to(tl.pointer_type(tl.int32), bitcast=True)
+    total = tl.atomic_xchg(bits, tl.zeros(sums.shape, tl.int32), mask=last, sem="relaxed")
+    return tl.where(last, total.to(tl.float32, bitcast=True), 0.0)
+
+
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SWAP: tl.constexpr = False,
+    SWAP: tl.constexpr = False, COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
-    splits (``SPLIT``: ``split_k > 1``).
-
-    Split K: every split adds into an fp32 ``out`` (zeroed, then cast by the caller). The MoE
-    meets its splits inside the launch instead (``w4a16_moe._add_counted``); here that measured
-    slower from M = 16.
-    """
+    splits (``SPLIT``: ``split_k > 1``), stored by :func:`_store_tile`."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
     # first read its weights from L2
@@ -306,11 +354,26 @@ def _w4a16_gemm_kernel(
     else:
         idx = offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_mask[:, None] & n_mask[None, :]
-    out = out_ptr + idx
+    _store_tile(out_ptr, ws_ptr, cnt_ptr, idx, acc, o_mask, split_k, SPLIT, COUNTED, FENCE)
+
+
+@triton.jit
+def _store_tile(
+    out_ptr, ws_ptr, cnt_ptr, idx, acc, mask, split_k,
+    SPLIT: tl.constexpr, COUNTED: tl.constexpr, FENCE: tl.constexpr,
+):  # fmt: skip
+    """Store one program's fp32 ``acc`` at ``idx``: unsplit, cast to the output; split K and
+    ``COUNTED``, met in the workspace (:func:`_add_counted`) and stored as bf16 by the program
+    that adds an element's last part (one launch); split K otherwise, added into a zeroed fp32
+    output that the caller casts (three launches)."""
     if not SPLIT:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif COUNTED:
+        last = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, split_k, FENCE)
+        res = _take_sums(ws_ptr + idx, last)
+        tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=last)
     else:
-        tl.atomic_add(out, acc, mask=o_mask, sem="relaxed")
+        tl.atomic_add(out_ptr + idx, acc, mask=mask, sem="relaxed")
 
 
 # CUDA-core decode for one token (the GEMV path). Nibbles 0 and 4 of a word are
@@ -485,12 +548,13 @@ def _gemv_sum(
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
@@ -503,11 +567,8 @@ def _w4a16_gemv_kernel(
         x_ptr + m * stride_xm, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk,
         stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
-    out = out_ptr + m * stride_om + offs_n
-    if SPLIT:
-        tl.atomic_add(out, res, mask=n_mask, sem="relaxed")
-    else:
-        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+    _store_tile(out_ptr, ws_ptr, cnt_ptr, m * stride_om + offs_n, res, n_mask, split_k, SPLIT,
+                COUNTED, FENCE)  # fmt: skip
 
 
 @triton.jit
@@ -547,6 +608,9 @@ class GemmConfig:
     num_stages: int = 4
     fast_decode: bool = True  # packed-bf16x2 PTX decode on the GPU (False: plain Triton)
     swap: bool = False  # weights as the dot's first operand: acc [BN, BM], 8-row token tiles
+    # K splits meet in the self-resetting workspace, one launch (False: fp32 atomics into a
+    # zeroed output, then a cast: three launches)
+    counted: bool = True
 
 
 _TUNED: dict[tuple, object] = {}
@@ -598,7 +662,7 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     if m > 16:
         swapped.append((64, 256, 8, 3))
     out = _tile_configs(m, n, swapped, swap=True) + _tile_configs(m, n, previous, swap=False)
-    if m <= 16:  # one launch (no zeroing, no cast): narrow column tiles, deep pipelines
+    if m <= 16:  # no K split: narrow column tiles, deep pipelines
         out += [GemmConfig("triton", 8, bn, 128, 1, 4, stages, swap=True)
                 for bn in (32, 64, 128) for stages in (4, 8)]  # fmt: skip
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
@@ -633,23 +697,56 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
     return out
 
 
+_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def counted_workspace(device: torch.device, sums: int, counts: int) -> tuple[torch.Tensor, ...]:
+    """fp32 ``sums`` and int32 ``counts`` for kernels whose parts meet in one launch
+    (:func:`_add_counted`): zero, and zero again after each such launch, so one buffer per device
+    serves every call in stream order, with no zeroing launch. Calls on one device must not
+    overlap in time (SGLang's forward runs them on one stream; Marlin's workspace assumes the
+    same).
+
+    The buffer grows (to twice the size) only outside CUDA-graph capture, and no buffer is ever
+    freed: a captured graph keeps the addresses it was captured with."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffers = _WORKSPACES.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < sums + counts:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the W4A16 workspace on {device} must grow to {sums + counts} elements while a "
+                "CUDA graph is being captured: run this batch size once before capturing"
+            )
+        size = max(sums + counts, 2 * buffers[-1].numel() if buffers else 1 << 16)
+        buffers.append(torch.zeros(size, dtype=torch.float32, device=device))
+    buf = buffers[-1]
+    return buf[:sums], buf[sums : sums + counts].view(torch.int32)
+
+
 def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
-    split = cfg.split_k > 1  # fp32 atomics into a zeroed output, cast afterwards
-    if split:
+    split = cfg.split_k > 1
+    counted = split and cfg.counted
+    if split and not counted:  # fp32 atomics into a zeroed output, cast afterwards
         out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+    # sized for the M bucket: a graph captured at a larger M of a tuned bucket must not grow it
+    rows = _m_bucket(m) * w.n if counted else 0
+    sums, counts = counted_workspace(x.device, rows, rows) if counted else (out, out)
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     args = (
-        x, w.qweight, w.scales, zeros, out, m, w.n, w.k, cfg.split_k,
+        x, w.qweight, w.scales, zeros, out, sums, counts, m, w.n, w.k, cfg.split_k,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
     )  # fmt: skip
     common = {
         "GROUP": w.group_size, "HAS_ZEROS": w.zeros is not None, "BLOCK_N": cfg.block_n,
-        "SPLIT": split, "FAST": cfg.fast_decode and not interpreted(),
+        "SPLIT": split, "COUNTED": counted, "FENCE": not interpreted(),
+        "FAST": cfg.fast_decode and not interpreted(),
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
         "num_warps": cfg.num_warps,
     }  # fmt: skip
@@ -663,7 +760,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
             *args, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
             num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    return out.to(torch.bfloat16)  # no copy when unsplit
+    return out.to(torch.bfloat16)  # a copy only of zeroed-output fp32 sums
 
 
 _FLUSH: dict[torch.device, torch.Tensor] = {}

@@ -24,10 +24,13 @@ import triton.language as tl
 
 from .w4a16_format import W4A16Weight, dequantize
 from .w4a16_gemm import (
+    _add_counted,
     _gemv_sum,
     _split_counts,
+    _take_sums,
     _w4a16_accumulate,
     _x_planes,
+    counted_workspace,
     interpreted,
     tune_cached,
 )
@@ -105,53 +108,6 @@ def _grid(rows, cols, row_stride, m_mask, o_mask, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _gpu_fence(x, FENCE: tl.constexpr):
-    """``x`` after a ``fence.acq_rel.gpu`` in this thread; the result carries the order to
-    whatever is computed from it. Without ``FENCE`` (the interpreter, which runs programs one
-    after another and has no PTX) just ``x``."""
-    if FENCE:
-        x = tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    return x
-
-
-@triton.jit
-def _add_counted(sums, counts, part, mask, parts, FENCE: tl.constexpr):
-    """K splits and a token's top-k rows meet inside one launch: add this program's fp32 ``part``
-    at ``sums`` (zeroed by the caller) and count it at ``counts`` (int32, zeroed); returns where
-    this program added an element's last of ``parts`` parts, the elements it then stores
-    (:func:`_counted_sums`). At decode sizes this saves the launches of a separate
-    SiLU-and-mul, top-k sum and second zeroing (the dense GEMM, measured slower with it from
-    M = 16, keeps fp32 atomics into zeroed sums and a cast).
-
-    Every element has its own count, and every thread learns from its own increments whether it
-    was last: no value is broadcast to the program through shared memory. The barrier puts all
-    of the program's adds before any of its counts (the compiler may give the adds and the
-    counts different thread layouts), and one GPU fence per thread on each side makes them a
-    release and an acquire (acquire-release atomics put a fence before every count: the dense
-    GEMM at M = 16 took 1.6x). A count per tile instead (one thread's increment, its result
-    broadcast) returned wrong tiles in 975 of 4,700 runs on the H200
-    (bench/results/w4a16_splitk_stress_fused.json)."""
-    tl.atomic_add(sums, part, mask=mask, sem="relaxed")
-    tl.debug_barrier()
-    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)  # release: every add of the program first
-    arrived = tl.atomic_add(counts + zero, 1, mask=mask, sem="relaxed")
-    zero = _gpu_fence(tl.min(arrived) * 0, FENCE)  # acquire: after every count
-    return mask & (arrived + zero == parts - 1)
-
-
-@triton.jit
-def _counted_sums(sums, last):
-    """The whole sums where ``last`` (read at L2, where the atomics were performed), 0
-    elsewhere."""
-    total = tl.atomic_add(sums, tl.zeros(sums.shape, tl.float32), mask=last, sem="relaxed")
-    return tl.where(last, total, 0.0)
-
-
-
-@triton.jit
 def _epilogue(
     acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr, parts,
     sum_rows,
@@ -178,14 +134,14 @@ def _epilogue(
             sums = ws_ptr + _grid(rows, offs_o, 2 * out_n, m_mask, o_mask, SWAP)[0]
             tl.atomic_add(sums + out_n, up, mask=mask, sem="relaxed")
             mask = _add_counted(sums, cnt_ptr + idx, gate, mask, parts, FENCE)
-            gate = _counted_sums(sums, mask)
-            up = _counted_sums(sums + out_n, mask)
+            gate = _take_sums(sums, mask)
+            up = _take_sums(sums + out_n, mask)
         res = _silu_mul_values(gate, up)
     else:
         res = acc
         if COUNTED:
             mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, parts, FENCE)
-            res = _counted_sums(ws_ptr + idx, mask)
+            res = _take_sums(ws_ptr + idx, mask)
     tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -421,16 +377,15 @@ def moe_gemm(
     routing: torch.Tensor | None = None,
     silu_mul: bool = False,
     sum_rows: int = 1,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p``, times
     ``routing[p]`` when given, and each ``sum_rows`` consecutive pairs summed in fp32 (a token's
     top-k experts) -> bf16 ``[num_pairs / sum_rows, N]``. With ``silu_mul`` the weight's
     columns are gate then up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``.
 
-    K splits and the CUDA-core path meet in zeroed fp32 sums and int32 counts
-    (:func:`workspace_size`; made here unless ``workspace`` is given); unsplit tensor-core tiles
-    store each pair's row, summed over ``sum_rows`` by one more launch."""
+    K splits and the CUDA-core path meet in the device's self-resetting fp32 sums and int32
+    counts (:func:`workspace_size`, :func:`counted_workspace`); unsplit tensor-core tiles store
+    each pair's row, summed over ``sum_rows`` by one more launch."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
@@ -444,9 +399,8 @@ def moe_gemm(
     summed = sum_rows if counted else 1  # rows the kernel sums into one
     out = torch.empty((num_pairs // summed, out_n), dtype=torch.bfloat16, device=x.device)
     if counted:
-        sums, counts = workspace or _shared_workspace(
-            x.device, (config, workspace_size(num_pairs, n, silu_mul, sum_rows))
-        )[0]
+        size = workspace_size(num_pairs, n, silu_mul, sum_rows)
+        sums, counts = counted_workspace(x.device, *size)
     else:
         sums, counts = out, out
     grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
@@ -536,21 +490,6 @@ def _counted(config: MoeConfig) -> bool:
     return config.split_k > 1 or config.path == "gemv"
 
 
-def _shared_workspace(device, *gemms):
-    """One zeroed buffer (one memset) for the counted GEMMs among ``(config, workspace_size)``
-    pairs, split into each one's fp32 sums and int32 counts; None for the others."""
-    sizes = [size if _counted(cfg) else (0, 0) for cfg, size in gemms]
-    total = sum(sums + counts for sums, counts in sizes)
-    if not total:
-        return [None] * len(gemms)
-    buf = torch.zeros(total, dtype=torch.float32, device=device)
-    out, at = [], 0
-    for s, c in sizes:
-        out.append((buf[at : at + s], buf[at + s : at + s + c].view(torch.int32)) if s else None)
-        at += s + c
-    return out
-
-
 def _num_experts(w: W4A16Weight | torch.Tensor) -> int:
     return (w.qweight if isinstance(w, W4A16Weight) else w).shape[0]
 
@@ -584,22 +523,17 @@ def fused_moe(
         raise ValueError("w13 and w2 must hold the same number of experts")
     num_pairs = tokens * top_k
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
-    up_size = workspace_size(num_pairs, _num_columns(w13), True, 1)
-    down_size = workspace_size(num_pairs, _num_columns(w2), False, top_k)
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
-        # launches: align, one zeroing of the workspace (when a GEMM is counted: K splits or
-        # the CUDA-core path), up GEMM with SiLU-and-mul, down GEMM x routing with the top-k
-        # sum (unsplit tensor-core tiles: the sum is one more launch)
+        # launches: align, up GEMM with SiLU-and-mul, down GEMM x routing with the top-k sum
+        # (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        up_ws, down_ws = _shared_workspace(x.device, (up_cfg, up_size), (down_cfg, down_size))
-        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg,
-                       silu_mul=True, workspace=up_ws)  # fmt: skip
+        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
         return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,
-                        sum_rows=top_k, workspace=down_ws)  # fmt: skip
+                        sum_rows=top_k)  # fmt: skip
 
     if configs is None:
         if interpreted():

@@ -9,11 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+from tessera.kernels import w4a16_gemm as gemm_module
 from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
     _candidates,
+    counted_workspace,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_reference,
@@ -86,6 +88,41 @@ def test_swapped_gemm_matches_reference(m, n, k, group, symmetric, split_k, bloc
     cfg = GemmConfig(block_m=block_m, block_n=32, split_k=split_k, swap=True)
     out = w4a16_matmul(x, w, cfg)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
+
+
+def workspace_is_zero() -> bool:
+    return all(not buf.any() for bufs in gemm_module._WORKSPACES.values() for buf in bufs)
+
+
+def test_split_calls_leave_the_workspace_zero():
+    """K splits meet in one buffer per device that no launch zeroes: the program that adds an
+    element's last part resets its sum and count. Back-to-back calls of different shapes,
+    paths and split counts (dense tile, dense gemv, MoE up with SiLU and down with the top-k
+    sum) each match their reference, and the buffer is all zero after them."""
+    w = make_weight((72, 384), 64, False, seed=3)
+    for i, cfg in enumerate((GemmConfig(block_n=32, split_k=3),
+                             GemmConfig(block_m=8, block_n=32, split_k=2, swap=True),
+                             GemmConfig("gemv", block_n=32, block_k=64, split_k=4))):  # fmt: skip
+        x = make_x(3, 384, seed=10 + i)
+        assert rel_l2(w4a16_matmul(x, w, cfg), w4a16_matmul_reference(x, w)) <= REL_L2, cfg
+        assert workspace_is_zero(), cfg
+    w13, w2, x, ids, weights = moe_case(4, 384, 96, 3, 2, 32, 32, True, seed=9)
+    split = MoeConfig(block_m=8, block_n=32, swap=True, split_k=3)
+    out = fused_moe(x, w13, w2, weights, ids, configs=(split, split))
+    assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
+    assert workspace_is_zero()
+    sums, counts = counted_workspace(torch.device(DEVICE), 10, 6)
+    assert sums.dtype == torch.float32 and counts.dtype == torch.int32 and counts.numel() == 6
+
+
+def test_zeroed_output_split_matches_reference():
+    """The three-launch split (fp32 atomics into a zeroed output, then a cast) that the
+    counted one replaces by default."""
+    w = make_weight((72, 384), 64, True, seed=4)
+    x = make_x(5, 384, seed=5)
+    out = w4a16_matmul(x, w, GemmConfig(block_n=32, split_k=3, counted=False))
+    assert out.dtype == torch.bfloat16
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
 
@@ -410,3 +447,18 @@ def test_ptx_decode_matches_plain_decode(group, symmetric, m):
         else:  # fp32 atomics add the splits in any order
             assert rel_l2(fast, plain) <= 1e-3
         assert rel_l2(fast, w4a16_matmul_reference(x, w)) <= REL_L2
+
+
+@gpu
+@needs_gpu
+def test_workspace_does_not_grow_inside_a_graph_capture():
+    """A graph keeps the workspace address it was captured with, so the buffer may only grow
+    before a capture; growing inside one says what to do instead."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    counted_workspace(device, 1, 1)
+    size = gemm_module._WORKSPACES[device][-1].numel()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run this batch size once before capturing"):
+        with torch.cuda.graph(graph):
+            counted_workspace(device, 2 * size, 0)
+    assert gemm_module._WORKSPACES[device][-1].numel() == size
