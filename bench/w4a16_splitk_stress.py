@@ -1,12 +1,13 @@
 """Repeat every split-K W4A16 launch many times on fresh inputs, to catch a reduction race.
 
-The dense GEMM's K splits and the MoE's K splits, CUDA-core path and top-k sum meet inside
-the launch: each program adds its fp32 part and counts it, and the program that adds an
-element's last part stores it and resets the workspace (``w4a16_gemm._add_counted``). A race can show up rarely (one wrong run in 128 in the v3 check of
-an earlier in-launch design), so one pass of ``bench/w4a16_check.py`` cannot clear one. This
-runs every such config the tuners may pick for the decode shapes ``--repeats`` times, each on a
-fresh activation (the MoE: and a fresh routing), and counts outputs whose rel-L2 against the
-fp32 reference exceeds 5e-3.
+The dense GEMM's K splits (counted, or added into a zeroed output) and the MoE's K splits,
+CUDA-core path and top-k sum: counted splits meet inside the launch, where each program adds its
+fp32 part and counts it, and the program that adds an element's last part stores it and resets
+the workspace (``w4a16_gemm._add_counted``). A race can show up rarely (one wrong run in 128 in
+the v3 check of an earlier in-launch design), so one pass of ``bench/w4a16_check.py`` cannot
+clear one. This runs every such config the tuners may pick for the decode shapes
+``--repeats`` times, each on a fresh activation (the MoE: and a fresh routing), and counts
+outputs whose rel-L2 against the fp32 reference exceeds 5e-3.
 
     python bench/w4a16_splitk_stress.py [--repeats 100] [--out DIR] [--tag _counted]
 """

@@ -18,11 +18,12 @@ offset when a group spans the whole K step, and the scale then multiplies the
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
 counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
-Split K gives small N enough programs to fill the GPU; the splits meet inside the launch, in a
-workspace that every launch leaves zero (:func:`counted_workspace`), so a split call is one
-launch. For large M the launcher can instead dequantize to bf16 once and call cuBLAS; which path
-and tile to use is measured once per (M bucket, N, K, group, zeros, device) and cached
-(:func:`w4a16_matmul`).
+Split K gives small N enough programs to fill the GPU. At one token the splits meet inside the
+launch, in a workspace that every launch leaves zero (:func:`counted_workspace`), so a split call
+is one launch; from two tokens they may instead add into a zeroed fp32 output that is cast
+afterwards (three launches, fewer atomics: the tuner measures both up to 16). For large M the
+launcher can instead dequantize to bf16 once and call cuBLAS; which path and tile to use is
+measured once per (M bucket, N, K, group, zeros, device) and cached (:func:`w4a16_matmul`).
 """
 
 from __future__ import annotations
@@ -624,19 +625,34 @@ def _split_counts(tiles: int) -> list[int]:
     """K splits worth timing for ``tiles`` output tiles on a 132-SM H200: the most that keep
     one program per SM (the longest K loops: the MoE's up GEMM, 128 programs of 56 steps,
     streamed faster than this GEMM's four splits of 14), the fewest that give every SM a
-    program, and enough for about four programs per SM."""
+    program, and enough for about four programs per SM (up to 32 splits: a counted split costs
+    no launch, so a narrow matrix at one token may take one program per SM of short K loops)."""
     one_wave = max((s for s in (1, 2, 4, 8) if tiles * s <= 132), default=1)
     fill = next((s for s in (1, 2, 4, 8) if tiles * s >= 132), 8)
-    deep = next((s for s in (2, 4, 8, 16) if tiles * s >= 4 * 132), 16)
+    deep = next((s for s in (2, 4, 8, 16, 32) if tiles * s >= 4 * 132), 32)
     return sorted({one_wave, fill, deep})
 
 
+def _reductions(m: int) -> tuple[bool, ...]:
+    """How K splits may meet at ``m`` rows (``GemmConfig.counted``). Same tiles side by side on
+    the H200 (bench/results/w4a16_gemm_selfreset.json): counted in the launch won at M = 1 on
+    all seven shapes (by 1.0-1.8 us a call: the zeroing and the cast), the three-launch split
+    at M = 64 on all five where the tuner split K (up to 1.3x: an element's count and exchange
+    are two more atomics, M x N of them per split); at M = 16 each won somewhere."""
+    if m == 1:
+        return (True,)
+    return (True, False) if m <= 16 else (False,)
+
+
 def _tile_configs(m: int, n: int, tiles: list[tuple], swap: bool) -> list[GemmConfig]:
-    """Each ``(block_m, block_n, warps, stages)`` tile with its split counts."""
+    """Each ``(block_m, block_n, warps, stages)`` tile with its split counts and, split, the
+    ways its splits may meet."""
     out = []
     for bm, bn, warps, stages in tiles:
         for s in _split_counts(triton.cdiv(n, bn) * triton.cdiv(m, bm)):
-            out.append(GemmConfig("triton", bm, bn, 128, s, warps, stages, swap=swap))
+            for counted in _reductions(m) if s > 1 else (True,):
+                out.append(GemmConfig("triton", bm, bn, 128, s, warps, stages, swap=swap,
+                                      counted=counted))  # fmt: skip
     return out
 
 
