@@ -951,6 +951,11 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
                 sglang.config = dict(info["sglang_fp8_moe"][key]["config"])
             if c == min(levels, key=lambda v: abs(v - 8)) and f"{w}/{kv}" not in info["checks"]:
                 info["checks"][f"{w}/{kv}"] = check_layer(step, x_in, c)
+            if c == min(levels):
+                lk = info.setdefault("layer_kernels", {})[f"{w}/{kv}@{c}"] = layer_kernels(
+                    step, x_in)  # fmt: skip
+                print(f"[{name}] {config_label(w, kv):18s} c={c:4d} one MoE layer: "
+                      f"{lk['launches']} launches, {lk['gpu_us']} us of GPU time", flush=True)
             g_layers = capture(lambda step=step, x_in=x_in: step.layers(x_in))
             g_off = capture(lambda step=step: step.rest(False))
             g_on = capture(lambda step=step: step.rest(True))
@@ -988,6 +993,24 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     info["seconds"] = round(time.time() - t0, 1)
     info["int4_tuned"] = {" ".join(map(str, k[:4])): str(v) for k, v in _TUNED.items()}
     return rows, info
+
+
+def layer_kernels(step: SliceStep, x: torch.Tensor) -> dict[str, Any]:
+    """The GPU work of one MoE layer, in launch order, from torch's profiler (run eagerly after
+    warm-up): how many kernels, memsets and copies a layer launches and each one's GPU time
+    (the graphs replay the same launches; their gaps are not in these times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step.moe_layer(0, x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.moe_layer(0, x)
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu.sort(key=lambda e: e.time_range.start)
+    launches = [[e.name[:90], round(e.device_time, 2)] for e in gpu]
+    return {"launches": len(launches), "gpu_us": round(sum(t for _, t in launches), 1),
+            "in_order": launches}  # fmt: skip
 
 
 def check_layer(step: SliceStep, x: torch.Tensor, c: int) -> dict[str, Any]:
