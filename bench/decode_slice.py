@@ -85,6 +85,7 @@ from decode_slice_plan import (
     weights_comparison,
 )
 from marlin import Marlin
+from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
     MLA_ROPE_DIM,
@@ -590,6 +591,7 @@ class KernelOps:
         self.sglang = sglang
         self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
         self.marlin = marlin  # INT4 weights with a Marlin copy run SGLang's Marlin kernels
+        self.constants: dict[tuple, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
@@ -603,6 +605,21 @@ class KernelOps:
         xq, xs = group_quant_fp8(self.sglang, x, x.shape[1])
         return torch._scaled_mm(xq, lin.weight.T, scale_a=xs, scale_b=lin.scale,
                                 out_dtype=torch.bfloat16)  # fmt: skip
+
+    def constant(self, value: int, device: torch.device) -> torch.Tensor:
+        """An int32 ``[1]`` tensor of ``value``, made once (outside any graph capture: the
+        warm-up calls make it)."""
+        key = (value, device)
+        if key not in self.constants:
+            self.constants[key] = torch.full((1,), value, dtype=torch.int32, device=device)
+        return self.constants[key]
+
+    def norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """(x + delta, its RMSNorm): SGLang's fused_add_rmsnorm (rmsnorm without delta)."""
+        return add_rms_norm(x, delta, weight, NORM_EPS)
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(h)
 
     def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
         if e.kind == "int4" and e.marlin is not None:
@@ -619,13 +636,14 @@ class KernelOps:
         pairs = r.ids.numel()
         block_m = k.config["BLOCK_SIZE_M"]
         pair_ids, block_expert = align_to_experts(r.ids, e.count, block_m)
-        post_padded = (block_expert >= 0).sum().reshape(1).to(torch.int32) * block_m
+        # every block, as one launch of SGLang's moe_align_block_size gives it with the rest; the
+        # kernel skips blocks of expert -1
+        post_padded = self.constant(pair_ids.numel(), x.device)
         routing = r.weights.reshape(-1)
         a, a_s = group_quant_fp8(k, x, FP8_BLOCK)
         h = sglang_fp8_gemm(k, a, a_s, e.w13, e.s13, pair_ids, block_expert, post_padded,
                             pairs, 1)  # fmt: skip
-        gate, up = h.chunk(2, dim=-1)
-        a, a_s = group_quant_fp8(k, F.silu(gate) * up, FP8_BLOCK)
+        a, a_s = group_quant_fp8(k, silu_and_mul(h), FP8_BLOCK)
         return sglang_fp8_gemm(k, a, a_s, e.w2, e.s2, pair_ids, block_expert, post_padded,
                                pairs, 1, routing)  # fmt: skip
 
@@ -681,6 +699,12 @@ class KernelOps:
 class ReferenceOps(KernelOps):
     """Pure torch, in fp32, rounding to BF16 where the kernels store BF16."""
 
+    def norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        return add_rms_norm_ref(x, delta, weight, NORM_EPS)
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_ref(h)
+
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
             return (x.float() @ lin.weight.float().T).to(torch.bfloat16)
@@ -729,10 +753,6 @@ def _dequant_block(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- the step
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, NORM_EPS)
-
-
 class SliceStep:
     """One GPU's decode step over ``batch``; ``ops`` picks the kernels or the reference."""
 
@@ -743,12 +763,15 @@ class SliceStep:
         self.dense_caches, self.moe_caches = dense_caches, moe_caches
         self.batch, self.routing, self.ops = batch, routing, ops
 
-    def attention(self, a: Attention, cache: KVCache, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, a: Attention, cache: KVCache, x: torch.Tensor,
+                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The residual stream ``x`` plus the previous block's output ``delta`` (added in the
+        norm, as SGLang does) -> (that residual, this attention block's output)."""
         s, ops, n = self.s, self.ops, x.shape[0]
-        h = rms_norm(x, a.norm)
+        x, h = ops.norm(x, delta, a.norm)
         qkv = ops.linear(h, a.qkv_a)
-        q_c = rms_norm(qkv[:, : s.q_lora], a.q_norm)
-        kv_c = rms_norm(qkv[:, s.q_lora : s.q_lora + s.kv_lora], a.kv_norm)
+        q_c = ops.norm(qkv[:, : s.q_lora], None, a.q_norm)[1]
+        kv_c = ops.norm(qkv[:, s.q_lora : s.q_lora + s.kv_lora], None, a.kv_norm)[1]
         for lin, src in zip(a.indexer, (q_c, h, h), strict=False):  # the indexer's GEMMs only
             ops.linear(src, lin)
         q = ops.linear(q_c, a.q_b).view(n, s.heads, s.qk_nope + s.rope)
@@ -761,28 +784,30 @@ class SliceStep:
         ops.write_kv(cache, new, self.batch.new_slots)
         o = ops.attend(q_mla, cache, self.batch, s.sm_scale)  # [B, heads, kv_lora]
         v = torch.bmm(o.transpose(0, 1), a.w_vc).transpose(0, 1).reshape(n, s.heads * s.v_head)
-        return x + ops.linear(v, a.o)
+        return x, ops.linear(v, a.o)
 
     def mlp(self, m: MLP, h: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(h, m.up)
-        width = gate_up.shape[1] // 2
-        return self.ops.linear(F.silu(gate_up[:, :width]) * gate_up[:, width:], m.down)
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(h, m.up)), m.down)
 
-    def dense_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def dense_layer(self, i: int, x: torch.Tensor,
+                    delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(residual, pending output) in and out, as SGLang's decoder layers pass them."""
         attn, mlp = self.w.dense[i]
-        x = self.attention(attn, self.dense_caches[i], x)
-        return x + self.mlp(mlp, rms_norm(x, mlp.norm))
+        x, o = self.attention(attn, self.dense_caches[i], x, delta)
+        x, h = self.ops.norm(x, o, mlp.norm)
+        return x, self.mlp(mlp, h)
 
-    def moe_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def moe_layer(self, i: int, x: torch.Tensor,
+                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         attn, moe = self.w.moe[i]
         r = self.routing[i]
-        x = self.attention(attn, self.moe_caches[i], x)
-        h = rms_norm(x, moe.norm)
+        x, o = self.attention(attn, self.moe_caches[i], x, delta)
+        x, h = self.ops.norm(x, o, moe.norm)
         logits = self.ops.linear(h, moe.router)
         torch.topk(logits, self.s.top_k, dim=-1)  # its selection; the drawn routing replaces it
         shared = self.mlp(moe.shared, h)
         routed = self.ops.moe(h.index_select(0, r.tokens), moe.experts, r)
-        return x + shared.index_add_(0, r.tokens, routed)
+        return x, shared.index_add_(0, r.tokens, routed)
 
     def embed(self) -> torch.Tensor:
         """Vocab-parallel lookup on shard 0: ids outside the shard give zero rows, which the
@@ -792,32 +817,33 @@ class SliceStep:
         rows = F.embedding(ids.clamp(max=self.s.vocab_shard - 1), self.common.embedding)
         return rows * inside
 
-    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.ops.linear(rms_norm(x, self.common.final_norm), self.common.lm_head)
+    def head(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        h = self.ops.norm(x, delta, self.common.final_norm)[1]
+        logits = self.ops.linear(h, self.common.lm_head)
         return logits, logits.argmax(dim=-1)
 
-    def front(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def front(self, integrity: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
         """The integrity check (bad pages per request; empty when off), the embedding and the
-        dense layers."""
+        dense layers: (bad, (residual, pending output))."""
         bad = self.ops.integrity(self.batch) if integrity else torch.zeros(0)
-        x = self.embed()
+        x, delta = self.embed(), None
         for i in range(len(self.w.dense)):
-            x = self.dense_layer(i, x)
-        return bad, x
+            x, delta = self.dense_layer(i, x, delta)
+        return bad, (x, delta)
 
     def rest(self, integrity: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step: the front, final norm and head (the MoE layers are timed apart)."""
-        return self.head(self.front(integrity)[1])
+        return self.head(*self.front(integrity)[1])
 
-    def layers(self, x: torch.Tensor) -> torch.Tensor:
+    def layers(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for i in range(len(self.w.moe)):
-            x = self.moe_layer(i, x)
-        return x
+            x, delta = self.moe_layer(i, x, delta)
+        return x, delta
 
     def step(self, integrity: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slice's whole step in order (tests): (bad pages per request, logits, next ids)."""
-        bad, x = self.front(integrity)
-        logits, ids = self.head(self.layers(x))
+        bad, (x, delta) = self.front(integrity)
+        logits, ids = self.head(*self.layers(x, delta))
         return bad, logits, ids
 
 
@@ -942,6 +968,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
                              routing[c], KernelOps(sglang, args.flashmla, args.marlin))  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
+            d_in = Gen(device, seed=c + 1).randn(c, shape.hidden)  # the last dense layer's output
             if w == "fp8":
                 key = str(c)
                 if key not in info["sglang_fp8_moe"]:
@@ -950,13 +977,13 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
                     info["sglang_fp8_moe"][key] = pick_sglang_config(sglang, h0, moe0.experts, r0)
                 sglang.config = dict(info["sglang_fp8_moe"][key]["config"])
             if c == min(levels, key=lambda v: abs(v - 8)) and f"{w}/{kv}" not in info["checks"]:
-                info["checks"][f"{w}/{kv}"] = check_layer(step, x_in, c)
+                info["checks"][f"{w}/{kv}"] = check_layer(step, x_in, d_in, c)
             if c == min(levels):
                 lk = info.setdefault("layer_kernels", {})[f"{w}/{kv}@{c}"] = layer_kernels(
-                    step, x_in)  # fmt: skip
+                    step, x_in, d_in)  # fmt: skip
                 print(f"[{name}] {config_label(w, kv):18s} c={c:4d} one MoE layer: "
                       f"{lk['launches']} launches, {lk['gpu_us']} us of GPU time", flush=True)
-            g_layers = capture(lambda step=step, x_in=x_in: step.layers(x_in))
+            g_layers = capture(lambda step=step, x_in=x_in, d_in=d_in: step.layers(x_in, d_in))
             g_off = capture(lambda step=step: step.rest(False))
             g_on = capture(lambda step=step: step.rest(True))
             samples = time_points(g_off, g_on, g_layers, args.replays)
@@ -995,16 +1022,16 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     return rows, info
 
 
-def layer_kernels(step: SliceStep, x: torch.Tensor) -> dict[str, Any]:
+def layer_kernels(step: SliceStep, x: torch.Tensor, delta: torch.Tensor) -> dict[str, Any]:
     """The GPU work of one MoE layer, in launch order, from torch's profiler (run eagerly after
     warm-up): how many kernels, memsets and copies a layer launches and each one's GPU time
     (the graphs replay the same launches; their gaps are not in these times)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step.moe_layer(0, x)
+    step.moe_layer(0, x, delta)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step.moe_layer(0, x)
+        step.moe_layer(0, x, delta)
         torch.cuda.synchronize()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu.sort(key=lambda e: e.time_range.start)
@@ -1013,12 +1040,13 @@ def layer_kernels(step: SliceStep, x: torch.Tensor) -> dict[str, Any]:
             "in_order": launches}  # fmt: skip
 
 
-def check_layer(step: SliceStep, x: torch.Tensor, c: int) -> dict[str, Any]:
-    """One MoE layer by the kernels and by the reference, same inputs (on the GPU)."""
-    out = step.moe_layer(0, x)
+def check_layer(step: SliceStep, x: torch.Tensor, delta: torch.Tensor, c: int) -> dict[str, Any]:
+    """One MoE layer by the kernels and by the reference, same inputs (on the GPU): the
+    layer's output (what it adds to the residual stream)."""
+    out = step.moe_layer(0, x, delta)[1]
     kernels_ops = step.ops
     step.ops = ReferenceOps(kernels_ops.sglang)
-    ref = step.moe_layer(0, x)
+    ref = step.moe_layer(0, x, delta)[1]
     step.ops = kernels_ops
     return {"concurrency": c, "moe_layer_rel_l2": rel_l2(out, ref)}
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
-from tessera.kernels import w4a16_moe
+from sglang_glue import silu_and_mul
 from tessera.kernels.w4a16_format import W4A16Weight
 from tessera.kernels.w4a16_moe import _topk_sum, align_to_experts
 
@@ -115,7 +114,7 @@ class Marlin:
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, group):
         """SGLang's ``fused_marlin_moe``: alignment, up GEMM, SiLU-and-mul, down GEMM with the
         routing weights, sum over the top k. The alignment is our kernel (one launch, as
-        SGLang's) and the two small steps this project's Triton kernels, one launch each."""
+        SGLang's) and the two small steps Triton stand-ins, one launch each (``sglang_glue``)."""
         tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         experts = w13[0].shape[0]
@@ -124,22 +123,9 @@ class Marlin:
         routing = (*self.align(topk_ids, experts, block), topk_weights.float().reshape(-1))
         h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device=x.device)
         self.moe_gemm(x, h13, *w13, routing, block, top_k, False, group)
-        act = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16, device=x.device)
-        _silu_mul_rows_kernel[(tokens * top_k, triton.cdiv(inter, 1024))](
-            h13, act, inter, BLOCK=1024, num_warps=4
-        )
+        act = silu_and_mul(h13)
         down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=x.device)
         self.moe_gemm(act, down, *w2, routing, block, 1, True, group)
         return _topk_sum(down, tokens, top_k)
 
 
-@triton.jit
-def _silu_mul_rows_kernel(src_ptr, out_ptr, half, BLOCK: tl.constexpr):
-    """out[p, :half] = silu(src[p, :half]) * src[p, half:]: SGLang's SiLU-and-mul launch
-    between Marlin's two MoE GEMMs, stood in for by one Triton launch."""
-    p = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < half
-    gate = tl.load(src_ptr + p * 2 * half + offs, mask=mask, other=0.0)
-    up = tl.load(src_ptr + p * 2 * half + half + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + p * half + offs, w4a16_moe._silu_mul_values(gate, up), mask=mask)
