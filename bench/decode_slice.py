@@ -2,7 +2,9 @@
 decode step at TP 8 / EP 8, with our kernels, our paged KV pool and our integrity check.
 
 What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_plan.py``):
-- per layer: RMSNorms; the MLA projections (fused q_a + kv_a, q_b, o_proj; GLM's DSA indexer
+- per layer: RMSNorms (the residual add in the norm's launch and one launch for SiLU-and-mul,
+  as SGLang's sgl-kernel ops do, through the Triton stand-ins of ``sglang_glue``); the MLA
+  projections (fused q_a + kv_a, q_b, o_proj; GLM's DSA indexer
   projections) as dense linears; the absorbed-MLA query and output bmm's (BF16); the new token's
   latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our paged MLA
   decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router GEMM and top-k; the shared
