@@ -99,12 +99,17 @@ def test_slice_step_matches_torch_reference(weights: str, kv: str, sglang) -> No
 
 @pytest.mark.parametrize("weights,kv", CONFIGS)
 def test_each_layer_matches_torch_reference(weights: str, kv: str, sglang) -> None:
-    """One dense and one MoE layer on the same input: the kernels against the reference."""
+    """One dense and one MoE layer on the same residual and pending output (added in the
+    layer's first norm, as SGLang does): the kernels against the reference, for the residual
+    the layer passes on (input, pending output and attention output) and for its own output."""
     step, ref = _pair(weights, kv, sglang)
     x = ds.Gen(torch.device("cpu"), seed=9).randn(len(LENGTHS), TINY.hidden)
+    delta = ds.Gen(torch.device("cpu"), seed=10).randn(len(LENGTHS), TINY.hidden)
     for layer in ("dense_layer", "moe_layer"):
-        out, expected = getattr(step, layer)(0, x), getattr(ref, layer)(0, x)
-        assert ds.rel_l2(out - x, expected - x) < LAYER_TOL[weights], layer
+        res, out = getattr(step, layer)(0, x, delta)
+        ref_res, expected = getattr(ref, layer)(0, x, delta)
+        assert ds.rel_l2(res, ref_res) < LAYER_TOL[weights], layer
+        assert ds.rel_l2(out, expected) < LAYER_TOL[weights], layer
 
 
 def test_integrity_state_checks_clean_and_flags_a_reused_page() -> None:
