@@ -5,11 +5,13 @@
 - `namespace` (function): a fresh namespace, deleted after the test.
 - `kubectl` (function): `cluster.kubectl`, e.g. `kubectl("get", "pods", "-n", namespace)`.
 
-Tests marked `gpu` are skipped unless torch sees a CUDA device.
+Tests marked `gpu` are skipped unless torch sees a CUDA device; without one, Triton kernels run
+under its interpreter.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import time
@@ -23,6 +25,18 @@ import pytest
 
 if TYPE_CHECKING:  # imported when a test asks for the cluster: GPU machines lack its packages
     from tessera.devcluster import DevCluster
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without a CUDA device, Triton kernels run under the interpreter. Triton reads the switch
+    when a kernel is defined, triton.language's own helpers included, so it is set before any
+    test module is imported: e2e modules import runtime code that imports triton."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

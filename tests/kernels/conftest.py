@@ -1,18 +1,11 @@
-"""Kernel tests: without a CUDA device, run Triton kernels under the interpreter.
-
-TRITON_INTERPRET must be set before any Triton kernel is compiled, so it is set here, at
-collection time. ``gpu_like_interpreter`` is for modules whose kernels (or SGLang's) multiply
-bf16 or e4m3 tiles: they opt in with ``pytestmark = pytest.mark.usefixtures(...)``.
+"""Kernel tests: without a CUDA device they run under Triton's interpreter (switched on in
+tests/conftest.py). ``gpu_like_interpreter`` is for modules whose kernels (or SGLang's)
+multiply bf16 or e4m3 tiles: they opt in with ``pytestmark = pytest.mark.usefixtures(...)``.
 """
-
-import os
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
