@@ -161,10 +161,11 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             marlin["x_vs_marlin"] = marlin["marlin_us"] / t_int4
             marlin["marlin_rel_l2_vs_fp32"] = rel_l2(MARLIN.gemm(xs[0], *mws[0], out_m), ref)
         tuned = [v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(m), n, k)]
+        twin = {}
         if tuned and tuned[-1].split_k > 1:  # the same tile, its splits met the other way
-            twin = dataclasses.replace(tuned[-1], counted=not tuned[-1].counted)
-            marlin["int4_other_split_us"] = graph_time_us(
-                lambda i, xs=xs, c=twin: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
+            other = dataclasses.replace(tuned[-1], counted=not tuned[-1].counted)
+            twin["int4_other_split_us"] = graph_time_us(
+                lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
         per_config = {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
@@ -179,7 +180,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config, **marlin,
+            "candidates_us": per_config, **marlin, **twin,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
@@ -190,9 +191,8 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
               + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
-                 if "marlin_us" in marlin else "")
-              + (f"  other split {marlin['int4_other_split_us']:6.1f}us"
-                 if "int4_other_split_us" in marlin else ""),
+                 if marlin else "")
+              + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else ""),
               flush=True)  # fmt: skip
     return rows
 

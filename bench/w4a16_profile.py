@@ -30,8 +30,6 @@ def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
     return W4A16Weight(qweight, scales, None, group)
 
 
-
-
 def profile_slice_linears() -> None:
     calls = []
     for n, k in SLICE_LINEARS:

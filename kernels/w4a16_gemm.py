@@ -751,9 +751,9 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
-    # sized for the M bucket: a graph captured at a larger M of a tuned bucket must not grow it
-    rows = _m_bucket(m) * w.n if counted else 0
-    sums, counts = counted_workspace(x.device, rows, rows) if counted else (out, out)
+    sums, counts = out, out  # unused pointers unless counted
+    if counted:  # sized for the M bucket: a capture at a larger M of the bucket must not grow it
+        sums, counts = counted_workspace(x.device, _m_bucket(m) * w.n, _m_bucket(m) * w.n)
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     args = (
         x, w.qweight, w.scales, zeros, out, sums, counts, m, w.n, w.k, cfg.split_k,
