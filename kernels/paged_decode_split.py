@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
 
 LOG2E = 1.4426950408889634
@@ -48,6 +49,10 @@ class DecodeConfig:
     qk_fp8_parts: int = 0
     pv_fp8_parts: int = 0
     tokens_as_m: bool = False  # MLA: the transposed kernel (tokens the MMA's M, heads its N)
+    # MLA over FP8 pages, 16 heads a program: the Gluon kernel on Hopper's warpgroup MMA
+    # (mla_decode_wgmma.py); under Triton's interpreter, which cannot run Gluon, the transposed
+    # Triton kernel with the same tiles and math stands in
+    wgmma: bool = False
 
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
@@ -852,8 +857,20 @@ def paged_decode(
         "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n, "FP8": scales is not None,
         "INTERPRETED": interpreted, **launch,
     }  # fmt: skip
-    if v_from_k and cfg.latent_quarters and dim >= 64:
-        kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
+    if v_from_k and cfg.wgmma and not interpreted:
+        if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
+            raise ValueError(
+                "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
+                f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
+                f"block_n={cfg.block_n}, block_h={cfg.block_h}"
+            )
+        mla_fp8_wgmma_kernel[(programs, splits)](
+            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+            **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
+        )  # fmt: skip
+    elif v_from_k and cfg.latent_quarters and dim >= 64:
+        kernel = _mla_tokens_m_kernel if cfg.tokens_as_m or cfg.wgmma else _mla_kernel
         kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),

@@ -1,6 +1,7 @@
-"""MLA decode variants that were measured and not kept as defaults stay correct: the transposed
-kernel (tokens as the MMA's M) and e4m3 products with q and p each in two e4m3 parts (one part
-misses the FP8 tolerance: bench/results/fp8_kv_flashmla_variants.json).
+"""MLA decode variants stay correct: the transposed kernel (tokens as the MMA's M), e4m3 products
+with q and p each in two e4m3 parts (one part misses the FP8 tolerance:
+bench/results/fp8_kv_flashmla_variants.json), and the Gluon wgmma kernel over FP8 pages (on
+the GPU; under the interpreter its Triton stand-in with the same tiles).
 
 e4m3 casts need ``gpu_like_interpreter`` on the CPU (the interpreter's own cast drops the carry
 into the exponent), so these live in their own module."""
@@ -10,6 +11,8 @@ from tessera.kernels.paged_decode_split import DecodeConfig
 from test_paged_decode import run_mla
 
 pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
+
+WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)
 
 
 @pytest.mark.parametrize(
@@ -24,7 +27,25 @@ pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
         ),  # fmt: skip
         ("fp8", DecodeConfig(32, 16, 4, 2, True, qk_fp8_parts=2, pv_fp8_parts=2)),
         ("bf16", DecodeConfig(64, 64, 8, 2, True, 1, tokens_as_m=True)),  # 64 heads a program
+        ("fp8", WGMMA),
     ],
 )
 def test_mla_variants_match_reference(kv_dtype, config):
     run_mla(kv_dtype, [3, 70], 16, heads=config.block_h, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("heads", [8, 16, 20])
+def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
+    """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
+    heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots."""
+    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=WGMMA,
+            balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_wgmma_kernel_refuses_bf16_pages():
+    with pytest.raises(ValueError, match="wgmma MLA kernel takes FP8 pages"):
+        run_mla("bf16", [70], 64, 16, config=WGMMA)

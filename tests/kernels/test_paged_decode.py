@@ -105,8 +105,9 @@ def run_gqa(kv_dtype, lens, page_size, heads, kv_heads, dim, sglang_form=False, 
     return out, paged_decode_bf16_ref(q, k, v, table, sm_scale)
 
 
-def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None, balanced=False):
-    table, num_pages = random_table(lens, page_size, sglang_form=False)
+def run_mla(kv_dtype, lens, page_size, heads, latent=512, config=None, balanced=False,
+            sglang_form=False):  # fmt: skip
+    table, num_pages = random_table(lens, page_size, sglang_form)
     known = lengths_known(lens, balanced)
     q = torch.randn(len(lens), heads, latent + 64, device=DEVICE).bfloat16()
     kv = torch.randn(num_pages, page_size, 1, latent + 64, device=DEVICE).bfloat16()

@@ -1,0 +1,265 @@
+"""MLA decode over FP8 (e4m3) pages on Hopper's warpgroup MMA, written in Gluon.
+
+Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2), the same math as
+``_mla_tokens_m_kernel``: tokens are the MMA's M (64 a tile), the 8-16 query heads its N, so
+no head is padded. What Triton's ``tl.dot`` could not be made to do, and Gluon states outright:
+
+- The e4m3 tile goes from global memory straight to registers (16 bytes a thread and row), is
+  widened there to fp16 (one ``cvt`` per two values) and stored once into a swizzled
+  shared-memory tile. Both products read that one tile: the scores as ``K @ q^T`` (the tile is
+  the K-major A operand) and the output as ``V^T @ p`` (the same tile's first ``D`` columns,
+  transposed by the MMA's descriptor, which 16-bit operands allow). The Triton kernel staged
+  the e4m3 bytes through shared memory, widened them in registers and wrote them back, and
+  transposed V in registers (255 registers and spills).
+- The next tile's loads are issued before this tile's products, so they are in flight while
+  the tensor cores work; two programs share an SM (92 KB of shared memory each).
+
+The per-token scales go to the fp32 scores and the probabilities, never to the tile (as in
+the Triton kernels). Needs sm_90 and a compiled run: Gluon has no interpreter, so the CPU
+tests cover the Triton kernels and the launcher uses this one only on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _tile_slots(
+    indices, row, n0, end, layout: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The cache slots of tokens ``n0 .. n0 + BLOCK_N`` (in ``layout``) and which are ``< end``.
+    Tiles start at multiples of ``BLOCK_N``: one table entry a tile when a page holds it."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    mask = offs < end
+    if BLOCK_N <= PAGE_SIZE:
+        entry = gl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=n0 < end,
+                        other=0).to(gl.int64)  # fmt: skip
+    else:
+        entry = gl.load(indices + row + (offs // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask,
+                        other=0).to(gl.int64)  # fmt: skip
+    return (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs % PAGE_SIZE, mask
+
+
+@gluon.jit
+def _load_tile(
+    KV32, indices, row, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr, lat_l: gl.constexpr, rope_l: gl.constexpr,
+):  # fmt: skip
+    """The tile's e4m3 bytes as 32-bit words (four values each, so the registers that carry
+    the next tile through this tile's products hold four values apiece), 0 past ``end``: the
+    latent dims in four quarters ``[BLOCK_N, D / 16]`` (each widened and stored alone) and the
+    rope dims ``[BLOCK_N, D_ROPE / 4]``."""
+    WQ: gl.constexpr = D // 16
+    slot, mask = _tile_slots(indices, row, n0, end, gl.SliceLayout(1, lat_l), PAGE_SIZE,
+                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    rows = KV32 + slot[:, None] * stride_kv_word
+    cols = gl.arange(0, WQ, layout=gl.SliceLayout(0, lat_l))[None, :]
+    k0 = gl.load(rows + cols, mask=mask[:, None], other=0)
+    k1 = gl.load(rows + WQ + cols, mask=mask[:, None], other=0)
+    k2 = gl.load(rows + 2 * WQ + cols, mask=mask[:, None], other=0)
+    k3 = gl.load(rows + 3 * WQ + cols, mask=mask[:, None], other=0)
+    slot, mask = _tile_slots(indices, row, n0, end, gl.SliceLayout(1, rope_l), PAGE_SIZE,
+                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    cols = D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, rope_l))
+    kr = gl.load(KV32 + slot[:, None] * stride_kv_word + cols[None, :], mask=mask[:, None],
+                 other=0)  # fmt: skip
+    return k0, k1, k2, k3, kr
+
+
+@gluon.jit
+def _widen(words):
+    """Words of four e4m3 values -> words of two fp16 values, twice as many: one ``cvt`` per
+    two values, on the word's halves (no byte shuffles)."""
+    lo, hi = gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[words],
+        dtype=(gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    pairs = gl.join(lo, hi)
+    return gl.reshape(pairs, [pairs.shape[0], 2 * pairs.shape[1]])
+
+
+@gluon.jit
+def mla_fp8_wgmma_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BALANCED: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
+    # Products: one warpgroup, M = the 64 tokens (scores) or the D latent dims (output).
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # Loads: 16 e4m3 bytes (4 words) a thread, 8 threads per 128-byte latent quarter row, 4
+    # per rope row.
+    WQ2: gl.constexpr = D // 8  # a latent quarter's fp16 pairs a row
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+
+    # the split's token range (as _split_range in paged_decode_split)
+    row = gl.load(indptr + b).to(gl.int64)
+    seq_len = gl.load(seq_lens + b).to(gl.int64)
+    if LENS_ARE_ENDS:
+        seq_len -= row
+    seq_len = seq_len.to(gl.int32)
+    if BALANCED:
+        split_len = fixed_split_len
+    else:
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if split == num_splits - 1:
+        end = seq_len
+
+    # q as fp16 in shared memory: the products' B operand (q^T, K-major), padded heads 0
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_lat = gl.load(
+        Q + b * stride_qb + hq[:, None] * stride_qh
+        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
+        mask=(hq < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
+    q_rope = gl.load(
+        Q + b * stride_qb + hr[:, None] * stride_qh + D
+        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
+        mask=(hr < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    q_lat_s = gl.allocate_shared_memory(
+        gl.float16, [BLOCK_H, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16),
+        q_lat.to(gl.float16),
+    )  # fmt: skip
+    q_rope_s = gl.allocate_shared_memory(
+        gl.float16, [BLOCK_H, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], gl.float16), q_rope.to(gl.float16),
+    )  # fmt: skip
+    # Two buffers of each: tile i is widened into one while the other's output product (tile
+    # i - 1) is still running. (The buffer that changes every tile also keeps the compiler
+    # from hoisting the 68 MMA descriptors out of the loop, which spilled them with one.)
+    k_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
+    k_rope_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float16)
+    k_lat_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D], k_lat_l)
+    k_rope_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D_ROPE], k_rope_l)
+    p_all = gl.allocate_shared_memory(
+        gl.float16, [2, BLOCK_N, BLOCK_H],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
+    )  # fmt: skip
+    # the widened tiles are written as words of two fp16 values: the same bytes and swizzle
+    words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
+    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [2, BLOCK_N, D // 2], words_l)
+    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [2, BLOCK_N, D_ROPE // 2], words_l)
+
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
+    l = gl.zeros([BLOCK_H], gl.float32, head_l)
+    acc = warpgroup_mma_init(gl.zeros([D, BLOCK_H], gl.float32, mma))  # o^T, carried in flight
+    acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
+    KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
+    stride_kv_word = stride_kv_slot // 4
+    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
+                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
+    buf = 0
+    for n0 in range(start, end, BLOCK_N):
+        k_lat_s = k_lat_all.index(buf)
+        k_rope_s = k_rope_all.index(buf)
+        k_lat_w = k_lat_w_all.index(buf)
+        # the tile, widened once into the buffer tile i - 2's products finished with
+        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+        k_rope_w_all.index(buf).store(_widen(kr))
+        fence_async_shared()
+        k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, n0 + BLOCK_N, end, stride_kv_word,
+                                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l,
+                                        rope_l)  # fmt: skip
+        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
+                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(k_rope_s, q_rope_s.permute((1, 0)), s, is_async=True)
+        slot, mask = _tile_slots(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                 BLOCK_N)  # fmt: skip
+        scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+        s, acc = warpgroup_mma_wait(0, deps=(s, acc))  # the scores and tile i - 1's output
+        s = s * (scale * sm_scale_log2e)[:, None]
+        s = gl.where(mask[:, None], s, float("-inf"))
+
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l = l * alpha + gl.sum(p, axis=0)
+        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
+        v_top = gl.maximum(gl.max(scale, axis=0), 1e-30)
+        p = p * (scale / v_top)[:, None]
+        alpha = alpha * (acc_unit / v_top)
+        acc_unit = v_top
+        p_s = p_all.index(buf)
+        p_s.store(p.to(gl.float16))
+        fence_async_shared()
+        # left running: it overlaps the next tile's widening
+        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+        m = m_new
+        buf = 1 - buf
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+
+    empty = l == 0.0  # a split past the request's end
+    l = gl.where(empty, 1.0, l)
+    lse = gl.where(empty, float("-inf"), m + gl.log2(l))
+    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
+    part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
+    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
+    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
+    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
