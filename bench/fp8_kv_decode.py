@@ -409,8 +409,10 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the Gluon kernel (kernels/mla_decode_wgmma.py): 170 KB of shared memory, one program an SM
-    "wg": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)),
+    # the Gluon kernel (kernels/mla_decode_wgmma.py): two tile buffers, one program an SM, or
+    # one buffer, two programs an SM
+    "wg2": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)),
+    "wg1": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

@@ -98,6 +98,13 @@ def _widen(words):
 
 
 @gluon.jit
+def _opaque_zero():
+    """0, from an instruction the compiler cannot look through."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
 def mla_fp8_wgmma_kernel(
     Q,
     KV,
@@ -127,6 +134,7 @@ def mla_fp8_wgmma_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     # Products: one warpgroup, M = the 64 tokens (scores) or the D latent dims (output).
@@ -185,21 +193,23 @@ def mla_fp8_wgmma_kernel(
         gl.float16, [BLOCK_H, D_ROPE],
         gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], gl.float16), q_rope.to(gl.float16),
     )  # fmt: skip
-    # Two buffers of each: tile i is widened into one while the other's output product (tile
-    # i - 1) is still running. (The buffer that changes every tile also keeps the compiler
-    # from hoisting the 68 MMA descriptors out of the loop, which spilled them with one.)
+    # STAGES = 2: two buffers of each, tile i is widened into one while the other's output
+    # product (tile i - 1) is still running; 170 KB, one program an SM. STAGES = 1: one of
+    # each, 96 KB, two programs an SM overlap each other instead. The buffer is picked by an
+    # index that changes (or, with one, that the compiler cannot see is 0) every tile: with a
+    # fixed address it hoisted the 68 MMA descriptors out of the loop and spilled them.
     k_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
     k_rope_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float16)
-    k_lat_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D], k_lat_l)
-    k_rope_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D_ROPE], k_rope_l)
+    k_lat_all = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D], k_lat_l)
+    k_rope_all = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D_ROPE], k_rope_l)
     p_all = gl.allocate_shared_memory(
-        gl.float16, [2, BLOCK_N, BLOCK_H],
+        gl.float16, [STAGES, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
     )  # fmt: skip
     # the widened tiles are written as words of two fp16 values: the same bytes and swizzle
     words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
-    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [2, BLOCK_N, D // 2], words_l)
-    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [2, BLOCK_N, D_ROPE // 2], words_l)
+    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [STAGES, BLOCK_N, D // 2], words_l)
+    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [STAGES, BLOCK_N, D_ROPE // 2], words_l)
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l = gl.zeros([BLOCK_H], gl.float32, head_l)
@@ -211,6 +221,9 @@ def mla_fp8_wgmma_kernel(
                                     ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
     buf = 0
     for n0 in range(start, end, BLOCK_N):
+        if STAGES == 1:
+            buf = _opaque_zero()
+            acc = warpgroup_mma_wait(0, deps=(acc,))  # tile i - 1's product read the buffer
         k_lat_s = k_lat_all.index(buf)
         k_rope_s = k_rope_all.index(buf)
         k_lat_w = k_lat_w_all.index(buf)
@@ -250,7 +263,7 @@ def mla_fp8_wgmma_kernel(
         # left running: it overlaps the next tile's widening
         acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
         m = m_new
-        buf = 1 - buf
+        buf = (buf + 1) % STAGES
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
     empty = l == 0.0  # a split past the request's end

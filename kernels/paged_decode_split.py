@@ -50,8 +50,9 @@ class DecodeConfig:
     pv_fp8_parts: int = 0
     tokens_as_m: bool = False  # MLA: the transposed kernel (tokens the MMA's M, heads its N)
     # MLA over FP8 pages, 16 heads a program: the Gluon kernel on Hopper's warpgroup MMA
-    # (mla_decode_wgmma.py); under Triton's interpreter, which cannot run Gluon, the transposed
-    # Triton kernel with the same tiles and math stands in
+    # (mla_decode_wgmma.py; num_stages is its count of tile buffers, 1 or 2); under Triton's
+    # interpreter, which cannot run Gluon, the transposed Triton kernel with the same tiles and
+    # math stands in
     wgmma: bool = False
 
 
@@ -867,6 +868,7 @@ def paged_decode(
         mla_fp8_wgmma_kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+            STAGES=cfg.num_stages,  # shared-memory buffers (1 or 2), not a Triton pipeline
             **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
         )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:

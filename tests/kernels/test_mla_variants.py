@@ -12,7 +12,8 @@ from test_paged_decode import run_mla
 
 pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 
-WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)
+WGMMA = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)
+WGMMA_ONE_BUFFER = DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)
 
 
 @pytest.mark.parametrize(
@@ -38,10 +39,11 @@ def test_mla_variants_match_reference(kv_dtype, config):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
-def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
+@pytest.mark.parametrize("config", [WGMMA, WGMMA_ONE_BUFFER], ids=["two_buffers", "one_buffer"])
+def test_wgmma_kernel_matches_reference(page_size, balanced, heads, config):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
     heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots."""
-    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=WGMMA,
+    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
 
