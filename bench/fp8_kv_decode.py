@@ -413,6 +413,11 @@ MLA_PEER_VARIANTS = {
     # one buffer, two programs an SM
     "wg2": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)),
     "wg1": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
+    # warp-specialized: a producer warpgroup (its registers a thread) loads and widens
+    "ws232": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,
+                                  wgmma=True, warp_specialized=True)),
+    "ws168": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=168,
+                                  wgmma=True, warp_specialized=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

@@ -1,5 +1,6 @@
 """One MLA decode shape for the profiler: ours BF16 and FP8 (default configs, and FP8 in the Gluon
-wgmma kernel with one and two tile buffers) and FlashMLA's BF16 and FP8 kernels, each launched twice on the same pages (the first launch compiles and warms up).
+wgmma kernels: one and two tile buffers, warp-specialized) and FlashMLA's BF16 and FP8 kernels,
+each launched twice on the same pages (the first launch compiles and warms up).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats -k regex:mla --csv python bench/mla_profile.py [HEADS BATCH CTX]
@@ -29,7 +30,7 @@ def main() -> None:
         "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
         "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
     }
-    for name in ("wg1", "wg2"):
+    for name in ("wg1", "wg2", "ws232"):
         cfg = MLA_PEER_VARIANTS[name][1]
         runs[f"ours_fp8_{name}"] = lambda c=cfg: paged_decode_mla_fp8(
             q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=c

@@ -25,6 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -276,3 +277,222 @@ def mla_fp8_wgmma_kernel(
     gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
     hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
     gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
+
+
+@gluon.jit
+def _ws_producer(
+    KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
+    the free buffer and marks it full."""
+    WQ2: gl.constexpr = D // 8
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
+                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        buf = i % 2
+        n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
+                                        stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
+                                        D, D_ROPE, lat_l, rope_l)  # fmt: skip
+        mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
+        k_lat_w = k_lat_w_all.index(buf)
+        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+        k_rope_w_all.index(buf).store(_widen(kr))
+        fence_async_shared()
+        mbarrier.arrive(full.index(buf), count=1)
+        k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+
+
+@gluon.jit
+def _ws_consumer(
+    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
+    k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
+    stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The products and the online softmax of each full buffer, which it frees once tile
+    i's output product is done; then the split's partial output and log-sum-exp."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
+    l = gl.zeros([BLOCK_H], gl.float32, head_l)
+    acc = warpgroup_mma_init(gl.zeros([D, BLOCK_H], gl.float32, mma))  # o^T
+    acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
+    slot, mask = _tile_slots(indices, row, start, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                             BLOCK_N)  # fmt: skip
+    scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        buf = i % 2
+        n0 = start + i * BLOCK_N
+        k_lat_s = k_lat_all.index(buf)
+        mbarrier.wait(full.index(buf), i // 2 & 1)
+        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
+                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
+        # the next tile's scales, in flight through this tile's softmax
+        slot, next_mask = _tile_slots(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+        s, acc = warpgroup_mma_wait(0, deps=(s, acc))  # the scores and tile i - 1's output
+        mbarrier.arrive(empty.index(1 - buf), count=1, pred=i > 0)
+        s = s * (scale * sm_scale_log2e)[:, None]
+        s = gl.where(mask[:, None], s, float("-inf"))
+
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l = l * alpha + gl.sum(p, axis=0)
+        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
+        v_top = gl.maximum(gl.max(scale, axis=0), 1e-30)
+        p = p * (scale / v_top)[:, None]
+        alpha = alpha * (acc_unit / v_top)
+        acc_unit = v_top
+        p_s = p_all.index(buf)
+        p_s.store(p.to(gl.float16))
+        fence_async_shared()
+        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+        m = m_new
+        scale, mask = next_scale, next_mask
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
+                   stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
+
+
+@gluon.jit
+def _store_partial(
+    acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, mma: gl.constexpr,
+):  # fmt: skip
+    """The split's output (``acc`` is o^T over ``acc_unit``) and log-sum-exp per head."""
+    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
+    empty = l == 0.0  # a split past the request's end
+    l = gl.where(empty, 1.0, l)
+    lse = gl.where(empty, float("-inf"), m + gl.log2(l))
+    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
+    part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
+    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
+    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
+    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
+
+
+@gluon.jit
+def mla_fp8_ws_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BALANCED: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """Warp-specialized: a producer warpgroup loads and widens tiles into two buffers, the
+    consumer warpgroup (the kernel's 4 warps) runs the products and the softmax."""
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+
+    # the split's token range (as _split_range in paged_decode_split)
+    row = gl.load(indptr + b).to(gl.int64)
+    seq_len = gl.load(seq_lens + b).to(gl.int64)
+    if LENS_ARE_ENDS:
+        seq_len -= row
+    seq_len = seq_len.to(gl.int32)
+    if BALANCED:
+        split_len = fixed_split_len
+    else:
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if split == num_splits - 1:
+        end = seq_len
+
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_lat = gl.load(
+        Q + b * stride_qb + hq[:, None] * stride_qh
+        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
+        mask=(hq < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
+    q_rope = gl.load(
+        Q + b * stride_qb + hr[:, None] * stride_qh + D
+        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
+        mask=(hr < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    q_lat_s = gl.allocate_shared_memory(
+        gl.float16, [BLOCK_H, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16),
+        q_lat.to(gl.float16),
+    )  # fmt: skip
+    q_rope_s = gl.allocate_shared_memory(
+        gl.float16, [BLOCK_H, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], gl.float16), q_rope.to(gl.float16),
+    )  # fmt: skip
+    k_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
+    k_rope_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float16)
+    k_lat_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D], k_lat_l)
+    k_rope_all = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, D_ROPE], k_rope_l)
+    p_all = gl.allocate_shared_memory(
+        gl.float16, [2, BLOCK_N, BLOCK_H],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
+    )  # fmt: skip
+    words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
+    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [2, BLOCK_N, D // 2], words_l)
+    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [2, BLOCK_N, D_ROPE // 2], words_l)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()  # q's stores, before the products read it
+
+    KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                            q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
+                            part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N)),
+            (_ws_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
+                            k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                            D_ROPE)),
+        ],
+        [4],
+        [PRODUCER_REGS],
+    )  # fmt: skip

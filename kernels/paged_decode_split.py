@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_decode_wgmma import mla_fp8_wgmma_kernel
+from .mla_decode_wgmma import mla_fp8_wgmma_kernel, mla_fp8_ws_kernel
 from .paged_kv import PageTable
 
 LOG2E = 1.4426950408889634
@@ -54,6 +54,9 @@ class DecodeConfig:
     # interpreter, which cannot run Gluon, the transposed Triton kernel with the same tiles and
     # math stands in
     wgmma: bool = False
+    # with wgmma: the warp-specialized Gluon kernel (a producer warpgroup loads and widens,
+    # with max_registers registers a thread; the kernel's warps run the products)
+    warp_specialized: bool = False
 
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
@@ -865,12 +868,21 @@ def paged_decode(
                 f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
-        mla_fp8_wgmma_kernel[(programs, splits)](
-            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            STAGES=cfg.num_stages,  # shared-memory buffers (1 or 2), not a Triton pipeline
-            **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
-        )  # fmt: skip
+        gluon_args = {k: v for k, v in shared.items()
+                      if k not in ("FP8", "INTERPRETED", "num_stages", "maxnreg")}  # fmt: skip
+        if cfg.warp_specialized:
+            mla_fp8_ws_kernel[(programs, splits)](
+                KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+                stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+                PRODUCER_REGS=cfg.max_registers or 232, **gluon_args,
+            )  # fmt: skip
+        else:
+            mla_fp8_wgmma_kernel[(programs, splits)](
+                KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+                stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+                STAGES=cfg.num_stages,  # shared-memory buffers (1 or 2), not a Triton pipeline
+                **gluon_args,
+            )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:
         kernel = _mla_tokens_m_kernel if cfg.tokens_as_m or cfg.wgmma else _mla_kernel
         kernel[(programs, splits)](

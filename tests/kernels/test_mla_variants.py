@@ -14,6 +14,8 @@ pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
 
 WGMMA = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)
 WGMMA_ONE_BUFFER = DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)
+WARP_SPECIALIZED = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,
+                                wgmma=True, warp_specialized=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -39,7 +41,9 @@ def test_mla_variants_match_reference(kv_dtype, config):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
-@pytest.mark.parametrize("config", [WGMMA, WGMMA_ONE_BUFFER], ids=["two_buffers", "one_buffer"])
+@pytest.mark.parametrize(
+    "config", [WGMMA, WGMMA_ONE_BUFFER, WARP_SPECIALIZED], ids=["two_buffers", "one_buffer", "ws"]
+)
 def test_wgmma_kernel_matches_reference(page_size, balanced, heads, config):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
     heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots."""
