@@ -416,8 +416,8 @@ MLA_PEER_VARIANTS = {
     # warp-specialized: a producer warpgroup (its registers a thread) loads and widens
     "ws232": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,
                                   wgmma=True, warp_specialized=True)),
-    "ws168": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=168,
-                                  wgmma=True, warp_specialized=True)),
+    "ws232e": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=232,
+                                   wgmma=True, warp_specialized=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

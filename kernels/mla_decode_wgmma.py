@@ -314,10 +314,11 @@ def _ws_consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
     k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
     stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
-    """The products and the online softmax of each full buffer, which it frees once tile
-    i's output product is done; then the split's partial output and log-sum-exp."""
+    """The products and the online softmax of each full buffer, which it frees once the
+    tile's output product is done: waited for at once (``EARLY_RELEASE``) or together with the
+    next tile's scores; then the split's partial output and log-sum-exp."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
     )
@@ -325,7 +326,9 @@ def _ws_consumer(
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l = gl.zeros([BLOCK_H], gl.float32, head_l)
-    acc = warpgroup_mma_init(gl.zeros([D, BLOCK_H], gl.float32, mma))  # o^T
+    acc = gl.zeros([D, BLOCK_H], gl.float32, mma)  # o^T
+    if not EARLY_RELEASE:
+        acc = warpgroup_mma_init(acc)  # carried in flight
     acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
     slot, mask = _tile_slots(indices, row, start, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
                              BLOCK_N)  # fmt: skip
@@ -343,8 +346,11 @@ def _ws_consumer(
         slot, next_mask = _tile_slots(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                                       ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
         next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-        s, acc = warpgroup_mma_wait(0, deps=(s, acc))  # the scores and tile i - 1's output
-        mbarrier.arrive(empty.index(1 - buf), count=1, pred=i > 0)
+        if EARLY_RELEASE:
+            s = warpgroup_mma_wait(0, deps=(s,))
+        else:  # the scores and tile i - 1's output, whose buffer is then free
+            s, acc = warpgroup_mma_wait(0, deps=(s, acc))
+            mbarrier.arrive(empty.index(1 - buf), count=1, pred=i > 0)
         s = s * (scale * sm_scale_log2e)[:, None]
         s = gl.where(mask[:, None], s, float("-inf"))
 
@@ -361,6 +367,9 @@ def _ws_consumer(
         p_s.store(p.to(gl.float16))
         fence_async_shared()
         acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+        if EARLY_RELEASE:  # the buffer goes back before the next tile's scores
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(buf), count=1)
         m = m_new
         scale, mask = next_scale, next_mask
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -418,6 +427,7 @@ def mla_fp8_ws_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    EARLY_RELEASE: gl.constexpr,
 ):
     """Warp-specialized: a producer warpgroup loads and widens tiles into two buffers, the
     consumer warpgroup (the kernel's 4 warps) runs the products and the softmax."""
@@ -488,7 +498,8 @@ def mla_fp8_ws_kernel(
             (_ws_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N)),
+                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N,
+                            EARLY_RELEASE)),
             (_ws_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
                             D_ROPE)),

@@ -16,6 +16,8 @@ WGMMA = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)
 WGMMA_ONE_BUFFER = DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)
 WARP_SPECIALIZED = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,
                                 wgmma=True, warp_specialized=True)  # fmt: skip
+WS_EARLY_RELEASE = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=232,
+                                wgmma=True, warp_specialized=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -42,7 +44,9 @@ def test_mla_variants_match_reference(kv_dtype, config):
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
 @pytest.mark.parametrize(
-    "config", [WGMMA, WGMMA_ONE_BUFFER, WARP_SPECIALIZED], ids=["two_buffers", "one_buffer", "ws"]
+    "config",
+    [WGMMA, WGMMA_ONE_BUFFER, WARP_SPECIALIZED, WS_EARLY_RELEASE],
+    ids=["two_buffers", "one_buffer", "ws", "ws_early"],
 )
 def test_wgmma_kernel_matches_reference(page_size, balanced, heads, config):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
