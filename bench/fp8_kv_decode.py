@@ -418,6 +418,10 @@ MLA_PEER_VARIANTS = {
                                   wgmma=True, warp_specialized=True)),
     "ws232e": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=232,
                                    wgmma=True, warp_specialized=True)),
+    "ws8w": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=128,
+                                 wgmma=True, warp_specialized=True, producer_warps=8)),
+    "ws8we": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=128,
+                                  wgmma=True, warp_specialized=True, producer_warps=8)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

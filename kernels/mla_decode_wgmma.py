@@ -283,13 +283,13 @@ def mla_fp8_wgmma_kernel(
 def _ws_producer(
     KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
     """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
     the free buffer and marks it full."""
     WQ2: gl.constexpr = D // 8
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
     k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
                                     ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
     for i in range(gl.cdiv(end - start, BLOCK_N)):
@@ -426,11 +426,13 @@ def mla_fp8_ws_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     EARLY_RELEASE: gl.constexpr,
 ):
-    """Warp-specialized: a producer warpgroup loads and widens tiles into two buffers, the
-    consumer warpgroup (the kernel's 4 warps) runs the products and the softmax."""
+    """Warp-specialized: producer warps (4 or 8, ``PRODUCER_REGS`` registers a thread) load and
+    widen tiles into two buffers, the consumer warpgroup (the kernel's 4 warps) runs the
+    products and the softmax."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -502,8 +504,8 @@ def mla_fp8_ws_kernel(
                             EARLY_RELEASE)),
             (_ws_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                            D_ROPE)),
+                            D_ROPE, PRODUCER_WARPS)),
         ],
-        [4],
+        [PRODUCER_WARPS],
         [PRODUCER_REGS],
     )  # fmt: skip

@@ -54,10 +54,11 @@ class DecodeConfig:
     # interpreter, which cannot run Gluon, the transposed Triton kernel with the same tiles and
     # math stands in
     wgmma: bool = False
-    # with wgmma: the warp-specialized Gluon kernel (a producer warpgroup loads and widens,
-    # with max_registers registers a thread; the kernel's warps run the products; num_stages 1:
-    # each tile's buffer freed as soon as its output product is done, 2: with the next scores)
+    # with wgmma: the warp-specialized Gluon kernel (producer_warps load and widen, with
+    # max_registers registers a thread; the kernel's warps run the products; num_stages 1: each
+    # tile's buffer freed as soon as its output product is done, 2: with the next scores)
     warp_specialized: bool = False
+    producer_warps: int = 4
 
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
@@ -875,7 +876,8 @@ def paged_decode(
             mla_fp8_ws_kernel[(programs, splits)](
                 KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
                 stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-                PRODUCER_REGS=cfg.max_registers or 232, EARLY_RELEASE=cfg.num_stages == 1,
+                PRODUCER_WARPS=cfg.producer_warps, PRODUCER_REGS=cfg.max_registers or 232,
+                EARLY_RELEASE=cfg.num_stages == 1,
                 **gluon_args,
             )  # fmt: skip
         else:

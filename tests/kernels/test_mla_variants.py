@@ -18,6 +18,8 @@ WARP_SPECIALIZED = DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_reg
                                 wgmma=True, warp_specialized=True)  # fmt: skip
 WS_EARLY_RELEASE = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=232,
                                 wgmma=True, warp_specialized=True)  # fmt: skip
+WS_8_PRODUCERS = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=128,
+                              wgmma=True, warp_specialized=True, producer_warps=8)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -45,8 +47,8 @@ def test_mla_variants_match_reference(kv_dtype, config):
 @pytest.mark.parametrize("heads", [8, 16, 20])
 @pytest.mark.parametrize(
     "config",
-    [WGMMA, WGMMA_ONE_BUFFER, WARP_SPECIALIZED, WS_EARLY_RELEASE],
-    ids=["two_buffers", "one_buffer", "ws", "ws_early"],
+    [WGMMA, WGMMA_ONE_BUFFER, WARP_SPECIALIZED, WS_EARLY_RELEASE, WS_8_PRODUCERS],
+    ids=["two_buffers", "one_buffer", "ws", "ws_early", "ws_8_producers"],
 )
 def test_wgmma_kernel_matches_reference(page_size, balanced, heads, config):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
