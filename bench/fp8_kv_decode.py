@@ -411,7 +411,6 @@ MLA_PEER_VARIANTS = {
     ),
     # the Gluon kernel (kernels/mla_decode_wgmma.py): two tile buffers, one program an SM, or
     # one buffer, two programs an SM
-    "wg2": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, wgmma=True)),
     "wg1": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
     # warp-specialized: a producer warpgroup (its registers a thread) loads and widens
     "ws232": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,

@@ -30,7 +30,7 @@ def main() -> None:
         "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
         "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
     }
-    for name in ("wg1", "wg2", "ws232"):
+    for name in ("wg1", "ws232e", "ws8we"):
         cfg = MLA_PEER_VARIANTS[name][1]
         runs[f"ours_fp8_{name}"] = lambda c=cfg: paged_decode_mla_fp8(
             q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=c
