@@ -48,7 +48,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
-from tessera.kernels.paged_decode_split import DecodeConfig
+from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, DecodeConfig
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
 
@@ -409,18 +409,8 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the Gluon kernel (kernels/mla_decode_wgmma.py): two tile buffers, one program an SM, or
-    # one buffer, two programs an SM
-    "wg1": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
-    # warp-specialized: a producer warpgroup (its registers a thread) loads and widens
-    "ws232": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=232,
-                                  wgmma=True, warp_specialized=True)),
-    "ws232e": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=232,
-                                   wgmma=True, warp_specialized=True)),
-    "ws8w": ("fp8", DecodeConfig(64, 16, 4, 2, True, 1, whole_waves=True, max_registers=128,
-                                 wgmma=True, warp_specialized=True, producer_warps=8)),
-    "ws8we": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, max_registers=128,
-                                  wgmma=True, warp_specialized=True, producer_warps=8)),
+    # the Triton FP8 kernel the Gluon default replaced on Hopper (still what runs elsewhere)
+    "triton": ("fp8", MLA_FP8_TRITON),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),
@@ -472,9 +462,11 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add) -> None:
     for heads, batch, ctx, mix, named in mla_peer_grid(quick):
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
+        if not named:  # the Triton FP8 kernel beside the default everywhere, the rest not
+            table = {k: v for k, v in table.items() if k == "triton"}
         try:
             row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,
-                            lens=lens, variants=table if named else None)  # fmt: skip
+                            lens=lens, variants=table)  # fmt: skip
         except Exception as e:  # a failing shape must not cost the rest of the grid
             print(f"mla h{heads} B{batch} ctx{ctx}: FAILED {e!r}"[:300], flush=True)
             continue

@@ -1,6 +1,6 @@
-"""One MLA decode shape for the profiler: ours BF16 and FP8 (default configs, and FP8 in the Gluon
-wgmma kernels: one and two tile buffers, warp-specialized) and FlashMLA's BF16 and FP8 kernels,
-each launched twice on the same pages (the first launch compiles and warms up).
+"""One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs, and FP8 in the
+Triton kernel that runs off Hopper) and FlashMLA's BF16 and FP8 kernels, each launched twice on
+the same pages (the first launch compiles and warms up).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats -k regex:mla --csv python bench/mla_profile.py [HEADS BATCH CTX]
@@ -13,9 +13,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from fp8_kv_decode import MLA_PEER_VARIANTS, PagedCase, fp8_copies
+from fp8_kv_decode import PagedCase, fp8_copies
 from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
+from tessera.kernels.paged_decode_split import MLA_FP8_TRITON
 from tessera.kernels.paged_kv import FP8_DTYPE
 
 
@@ -30,11 +31,9 @@ def main() -> None:
         "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
         "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
     }
-    for name in ("wg1", "ws232e", "ws8we"):
-        cfg = MLA_PEER_VARIANTS[name][1]
-        runs[f"ours_fp8_{name}"] = lambda c=cfg: paged_decode_mla_fp8(
-            q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=c
-        )
+    runs["ours_fp8_triton"] = lambda: paged_decode_mla_fp8(
+        q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=MLA_FP8_TRITON
+    )
     try:
         import flash_mla
 

@@ -20,7 +20,12 @@ import tempfile
 from pathlib import Path
 
 import triton
-from tessera.kernels.paged_decode_split import _mla_kernel, _mla_tokens_m_kernel, pick_config
+from tessera.kernels.paged_decode_split import (
+    MLA_FP8_TRITON,
+    _mla_kernel,
+    _mla_tokens_m_kernel,
+    pick_config,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from w4a16_sass import loop_opcodes, resources
@@ -34,6 +39,8 @@ STRIDES = {"stride_qb", "stride_qh", "stride_kv_slot", "stride_pb", "stride_ph"}
 
 def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     cfg = pick_config(576, heads, True, fp8=fp8)
+    if cfg.wgmma:  # the Gluon kernel on Hopper; its Triton counterpart is what is compiled here
+        cfg = MLA_FP8_TRITON
     fn = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",

@@ -1,22 +1,23 @@
-"""MLA decode over FP8 (e4m3) pages on Hopper's warpgroup MMA, written in Gluon.
+"""MLA decode over FP8 (e4m3) pages on Hopper's warpgroup MMA, warp-specialized, in Gluon.
 
-Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2), the same math as
-``_mla_tokens_m_kernel``: tokens are the MMA's M (64 a tile), the 8-16 query heads its N, so
-no head is padded. What Triton's ``tl.dot`` could not be made to do, and Gluon states outright:
+Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2), the same math as the
+Triton kernels: tokens are the MMA's M (64 a tile, one page of 64), the 8-16 query heads its N,
+so no head is padded. What Triton's ``tl.dot`` could not be made to do, and Gluon states:
 
-- The e4m3 tile goes from global memory straight to registers (16 bytes a thread and row), is
-  widened there to fp16 (one ``cvt`` per two values) and stored once into a swizzled
-  shared-memory tile. Both products read that one tile: the scores as ``K @ q^T`` (the tile is
-  the K-major A operand) and the output as ``V^T @ p`` (the same tile's first ``D`` columns,
-  transposed by the MMA's descriptor, which 16-bit operands allow). The Triton kernel staged
-  the e4m3 bytes through shared memory, widened them in registers and wrote them back, and
-  transposed V in registers (255 registers and spills).
-- The next tile's loads are issued before this tile's products, so they are in flight while
-  the tensor cores work; two programs share an SM (92 KB of shared memory each).
+- A producer warpgroup loads each e4m3 tile from global memory straight into registers (as
+  32-bit words, 16 bytes a thread and row; the next tile's loads are in flight while this one
+  is widened), widens it to fp16 (one ``cvt`` per two values) and stores it once into one of
+  two swizzled shared-memory buffers, then marks the buffer full (an mbarrier).
+- The consumer warpgroup (the kernel's 4 warps) reads that one tile for both products: the
+  scores as ``K @ q^T`` (the tile is the K-major A operand) and the output as ``V^T @ p``
+  (the tile's first ``D`` columns, transposed by the MMA's descriptor, which 16-bit operands
+  allow), runs the online softmax between them, and marks the buffer empty once the output
+  product is done. The Triton kernel staged the e4m3 bytes through shared memory, widened them
+  in registers and wrote them back, and (tokens as M) transposed V in registers.
 
-The per-token scales go to the fp32 scores and the probabilities, never to the tile (as in
-the Triton kernels). Needs sm_90 and a compiled run: Gluon has no interpreter, so the CPU
-tests cover the Triton kernels and the launcher uses this one only on a Hopper GPU.
+The per-token scales go to the fp32 scores and the probabilities, never to the tile. 186 KB of
+shared memory: one program an SM. Needs sm_90 and a compiled run: Gluon has no interpreter,
+so the launcher runs the Triton kernel under the interpreter and off Hopper.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -99,10 +99,114 @@ def _widen(words):
 
 
 @gluon.jit
-def _opaque_zero():
-    """0, from an instruction the compiler cannot look through."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
-                                     pack=1)  # fmt: skip
+def _producer(
+    KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
+    the free buffer and marks it full."""
+    WQ2: gl.constexpr = D // 8
+    # 16 e4m3 bytes (4 words) a thread, 8 threads per 128-byte latent quarter row, 4 per rope row
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
+                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        buf = i % 2
+        n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
+                                        stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
+                                        D, D_ROPE, lat_l, rope_l)  # fmt: skip
+        mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
+        k_lat_w = k_lat_w_all.index(buf)
+        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+        k_rope_w_all.index(buf).store(_widen(kr))
+        fence_async_shared()
+        mbarrier.arrive(full.index(buf), count=1)
+        k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+
+
+@gluon.jit
+def _consumer(
+    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
+    k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
+    stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The products and the online softmax of each full buffer, which it frees as soon as the
+    tile's output product is done; then the split's partial output and log-sum-exp."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
+    l = gl.zeros([BLOCK_H], gl.float32, head_l)
+    acc = gl.zeros([D, BLOCK_H], gl.float32, mma)  # o^T
+    acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
+    slot, mask = _tile_slots(indices, row, start, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                             BLOCK_N)  # fmt: skip
+    scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        buf = i % 2
+        n0 = start + i * BLOCK_N
+        k_lat_s = k_lat_all.index(buf)
+        mbarrier.wait(full.index(buf), i // 2 & 1)
+        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
+                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
+        # the next tile's scales, in flight through this tile's softmax
+        slot, next_mask = _tile_slots(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = s * (scale * sm_scale_log2e)[:, None]
+        s = gl.where(mask[:, None], s, float("-inf"))
+
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l = l * alpha + gl.sum(p, axis=0)
+        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
+        v_top = gl.maximum(gl.max(scale, axis=0), 1e-30)
+        p = p * (scale / v_top)[:, None]
+        alpha = alpha * (acc_unit / v_top)
+        acc_unit = v_top
+        p_s = p_all.index(buf)
+        p_s.store(p.to(gl.float16))
+        fence_async_shared()
+        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+        # the buffer goes back at once (with it kept until the next tile's scores were done,
+        # the producer waited for it: 1.06x the time)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(buf), count=1)
+        m = m_new
+        scale, mask = next_scale, next_mask
+    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
+                   stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
+
+
+@gluon.jit
+def _store_partial(
+    acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, mma: gl.constexpr,
+):  # fmt: skip
+    """The split's output (``acc`` is o^T over ``acc_unit``) and log-sum-exp per head."""
+    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
+    empty = l == 0.0  # a split past the request's end
+    l = gl.where(empty, 1.0, l)
+    lse = gl.where(empty, float("-inf"), m + gl.log2(l))
+    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
+    part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
+    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
+    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
+    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
 
 
 @gluon.jit
@@ -135,304 +239,9 @@ def mla_fp8_wgmma_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
-    # Products: one warpgroup, M = the 64 tokens (scores) or the D latent dims (output).
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
-    )
-    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
-    head_l: gl.constexpr = gl.SliceLayout(0, mma)
-    # Loads: 16 e4m3 bytes (4 words) a thread, 8 threads per 128-byte latent quarter row, 4
-    # per rope row.
-    WQ2: gl.constexpr = D // 8  # a latent quarter's fp16 pairs a row
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
-
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    hb = pid % head_blocks
-    b = pid // head_blocks
-
-    # the split's token range (as _split_range in paged_decode_split)
-    row = gl.load(indptr + b).to(gl.int64)
-    seq_len = gl.load(seq_lens + b).to(gl.int64)
-    if LENS_ARE_ENDS:
-        seq_len -= row
-    seq_len = seq_len.to(gl.int32)
-    if BALANCED:
-        split_len = fixed_split_len
-    else:
-        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    if split == num_splits - 1:
-        end = seq_len
-
-    # q as fp16 in shared memory: the products' B operand (q^T, K-major), padded heads 0
-    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    q_lat = gl.load(
-        Q + b * stride_qb + hq[:, None] * stride_qh
-        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
-        mask=(hq < num_heads)[:, None], other=0.0,
-    )  # fmt: skip
-    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
-    q_rope = gl.load(
-        Q + b * stride_qb + hr[:, None] * stride_qh + D
-        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
-        mask=(hr < num_heads)[:, None], other=0.0,
-    )  # fmt: skip
-    q_lat_s = gl.allocate_shared_memory(
-        gl.float16, [BLOCK_H, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16),
-        q_lat.to(gl.float16),
-    )  # fmt: skip
-    q_rope_s = gl.allocate_shared_memory(
-        gl.float16, [BLOCK_H, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], gl.float16), q_rope.to(gl.float16),
-    )  # fmt: skip
-    # STAGES = 2: two buffers of each, tile i is widened into one while the other's output
-    # product (tile i - 1) is still running; 170 KB, one program an SM. STAGES = 1: one of
-    # each, 96 KB, two programs an SM overlap each other instead. The buffer is picked by an
-    # index that changes (or, with one, that the compiler cannot see is 0) every tile: with a
-    # fixed address it hoisted the 68 MMA descriptors out of the loop and spilled them.
-    k_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
-    k_rope_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float16)
-    k_lat_all = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D], k_lat_l)
-    k_rope_all = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D_ROPE], k_rope_l)
-    p_all = gl.allocate_shared_memory(
-        gl.float16, [STAGES, BLOCK_N, BLOCK_H],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
-    )  # fmt: skip
-    # the widened tiles are written as words of two fp16 values: the same bytes and swizzle
-    words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
-    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [STAGES, BLOCK_N, D // 2], words_l)
-    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [STAGES, BLOCK_N, D_ROPE // 2], words_l)
-
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
-    l = gl.zeros([BLOCK_H], gl.float32, head_l)
-    acc = warpgroup_mma_init(gl.zeros([D, BLOCK_H], gl.float32, mma))  # o^T, carried in flight
-    acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
-    KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-    stride_kv_word = stride_kv_slot // 4
-    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
-    buf = 0
-    for n0 in range(start, end, BLOCK_N):
-        if STAGES == 1:
-            buf = _opaque_zero()
-            acc = warpgroup_mma_wait(0, deps=(acc,))  # tile i - 1's product read the buffer
-        k_lat_s = k_lat_all.index(buf)
-        k_rope_s = k_rope_all.index(buf)
-        k_lat_w = k_lat_w_all.index(buf)
-        # the tile, widened once into the buffer tile i - 2's products finished with
-        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-        k_rope_w_all.index(buf).store(_widen(kr))
-        fence_async_shared()
-        k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, n0 + BLOCK_N, end, stride_kv_word,
-                                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l,
-                                        rope_l)  # fmt: skip
-        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
-                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma(k_rope_s, q_rope_s.permute((1, 0)), s, is_async=True)
-        slot, mask = _tile_slots(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                 BLOCK_N)  # fmt: skip
-        scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-        s, acc = warpgroup_mma_wait(0, deps=(s, acc))  # the scores and tile i - 1's output
-        s = s * (scale * sm_scale_log2e)[:, None]
-        s = gl.where(mask[:, None], s, float("-inf"))
-
-        m_new = gl.maximum(m, gl.max(s, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
-        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
-        v_top = gl.maximum(gl.max(scale, axis=0), 1e-30)
-        p = p * (scale / v_top)[:, None]
-        alpha = alpha * (acc_unit / v_top)
-        acc_unit = v_top
-        p_s = p_all.index(buf)
-        p_s.store(p.to(gl.float16))
-        fence_async_shared()
-        # left running: it overlaps the next tile's widening
-        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
-        m = m_new
-        buf = (buf + 1) % STAGES
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-
-    empty = l == 0.0  # a split past the request's end
-    l = gl.where(empty, 1.0, l)
-    lse = gl.where(empty, float("-inf"), m + gl.log2(l))
-    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
-    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
-    part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
-    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
-    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
-    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
-
-
-@gluon.jit
-def _ws_producer(
-    KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
-    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, WARPS: gl.constexpr,
-):  # fmt: skip
-    """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
-    the free buffer and marks it full."""
-    WQ2: gl.constexpr = D // 8
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
-    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
-    for i in range(gl.cdiv(end - start, BLOCK_N)):
-        buf = i % 2
-        n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
-                                        stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
-                                        D, D_ROPE, lat_l, rope_l)  # fmt: skip
-        mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
-        k_lat_w = k_lat_w_all.index(buf)
-        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-        k_rope_w_all.index(buf).store(_widen(kr))
-        fence_async_shared()
-        mbarrier.arrive(full.index(buf), count=1)
-        k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
-
-
-@gluon.jit
-def _ws_consumer(
-    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
-    k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
-    stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, EARLY_RELEASE: gl.constexpr,
-):  # fmt: skip
-    """The products and the online softmax of each full buffer, which it frees once the
-    tile's output product is done: waited for at once (``EARLY_RELEASE``) or together with the
-    next tile's scores; then the split's partial output and log-sum-exp."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
-    )
-    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
-    head_l: gl.constexpr = gl.SliceLayout(0, mma)
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
-    l = gl.zeros([BLOCK_H], gl.float32, head_l)
-    acc = gl.zeros([D, BLOCK_H], gl.float32, mma)  # o^T
-    if not EARLY_RELEASE:
-        acc = warpgroup_mma_init(acc)  # carried in flight
-    acc_unit = 1.0  # acc holds the output divided by the last tile's largest V scale
-    slot, mask = _tile_slots(indices, row, start, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                             BLOCK_N)  # fmt: skip
-    scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-    for i in range(gl.cdiv(end - start, BLOCK_N)):
-        buf = i % 2
-        n0 = start + i * BLOCK_N
-        k_lat_s = k_lat_all.index(buf)
-        mbarrier.wait(full.index(buf), i // 2 & 1)
-        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
-                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
-        # the next tile's scales, in flight through this tile's softmax
-        slot, next_mask = _tile_slots(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
-                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-        if EARLY_RELEASE:
-            s = warpgroup_mma_wait(0, deps=(s,))
-        else:  # the scores and tile i - 1's output, whose buffer is then free
-            s, acc = warpgroup_mma_wait(0, deps=(s, acc))
-            mbarrier.arrive(empty.index(1 - buf), count=1, pred=i > 0)
-        s = s * (scale * sm_scale_log2e)[:, None]
-        s = gl.where(mask[:, None], s, float("-inf"))
-
-        m_new = gl.maximum(m, gl.max(s, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
-        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
-        v_top = gl.maximum(gl.max(scale, axis=0), 1e-30)
-        p = p * (scale / v_top)[:, None]
-        alpha = alpha * (acc_unit / v_top)
-        acc_unit = v_top
-        p_s = p_all.index(buf)
-        p_s.store(p.to(gl.float16))
-        fence_async_shared()
-        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
-        if EARLY_RELEASE:  # the buffer goes back before the next tile's scores
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(buf), count=1)
-        m = m_new
-        scale, mask = next_scale, next_mask
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                   stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
-
-
-@gluon.jit
-def _store_partial(
-    acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, mma: gl.constexpr,
-):  # fmt: skip
-    """The split's output (``acc`` is o^T over ``acc_unit``) and log-sum-exp per head."""
-    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
-    empty = l == 0.0  # a split past the request's end
-    l = gl.where(empty, 1.0, l)
-    lse = gl.where(empty, float("-inf"), m + gl.log2(l))
-    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
-    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
-    part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
-    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
-    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
-    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
-
-
-@gluon.jit
-def mla_fp8_ws_kernel(
-    Q,
-    KV,
-    KV_SCALE,
-    seq_lens,
-    indptr,
-    indices,
-    part_out,
-    part_lse,
-    sm_scale_log2e,
-    num_splits,
-    fixed_split_len,
-    head_blocks,
-    num_heads,
-    stride_qb,
-    stride_qh,
-    stride_kv_slot,
-    stride_s_slot,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr,
-    LENS_ARE_ENDS: gl.constexpr,
-    BALANCED: gl.constexpr,
-    D: gl.constexpr,
-    D_ROPE: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
-    EARLY_RELEASE: gl.constexpr,
-):
-    """Warp-specialized: producer warps (4 or 8, ``PRODUCER_REGS`` registers a thread) load and
-    widen tiles into two buffers, the consumer warpgroup (the kernel's 4 warps) runs the
-    products and the softmax."""
+    """Stage 1: the producer warpgroup loads and widens tiles into two buffers, the consumer
+    warpgroup (the kernel's 4 warps) runs the products and the softmax."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -497,15 +306,14 @@ def mla_fp8_ws_kernel(
     KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
     gl.warp_specialize(
         [
-            (_ws_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N,
-                            EARLY_RELEASE)),
-            (_ws_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
+                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N)),
+            (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                            D_ROPE, PRODUCER_WARPS)),
+                            D_ROPE)),
         ],
-        [PRODUCER_WARPS],
-        [PRODUCER_REGS],
+        [4],
+        [232],  # the producer's registers a thread: two tiles of words and their widening
     )  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_decode_wgmma import mla_fp8_wgmma_kernel, mla_fp8_ws_kernel
+from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
 
 LOG2E = 1.4426950408889634
@@ -49,17 +49,17 @@ class DecodeConfig:
     qk_fp8_parts: int = 0
     pv_fp8_parts: int = 0
     tokens_as_m: bool = False  # MLA: the transposed kernel (tokens the MMA's M, heads its N)
-    # MLA over FP8 pages, 16 heads a program: the Gluon kernel on Hopper's warpgroup MMA
-    # (mla_decode_wgmma.py; num_stages is its count of tile buffers, 1 or 2); under Triton's
-    # interpreter, which cannot run Gluon, the transposed Triton kernel with the same tiles and
-    # math stands in
+    # MLA over FP8 pages, 16 heads a program: the warp-specialized Gluon kernel on Hopper's
+    # warpgroup MMA (mla_decode_wgmma.py); under Triton's interpreter and off Hopper,
+    # MLA_FP8_TRITON runs instead
     wgmma: bool = False
-    # with wgmma: the warp-specialized Gluon kernel (producer_warps load and widen, with
-    # max_registers registers a thread; the kernel's warps run the products; num_stages 1: each
-    # tile's buffer freed as soon as its output product is done, 2: with the next scores)
-    warp_specialized: bool = False
-    producer_warps: int = 4
 
+
+# MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
+# (Triton's interpreter, GPUs other than Hopper). The latent in quarters, 32 tokens a tile, 186
+# registers capped at 168 (3 programs per SM).
+MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
+MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
 # programs (0.63-0.76x at 1-8 requests of 1k-4k); from it on it is 1.00-1.14x
@@ -79,10 +79,12 @@ def pick_config(
     MLA is bound by latency, not bytes: a program's tile time is fixed by its dependent loads
     and MMA chains, so the context is split into exactly as many programs as the GPU holds at
     once (a partial second wave cost up to 1.3x). 16 heads a program: the latent in quarters,
-    32 tokens a tile; BF16 compiles to 128 registers (4 programs per SM), FP8 to 186, capped at
-    168 (3 per SM). 64+ heads: 64 heads a program with 8 warps (Triton uses wgmma there),
-    1 program per SM, so each tile is read once instead of by four 16-head programs; BF16 in
-    the transposed kernel (64 tokens as wgmma's M, the heads its N) once the batch holds
+    32 tokens a tile; BF16 compiles to 128 registers (4 programs per SM); FP8 runs the
+    warp-specialized Gluon kernel (``MLA_FP8_WGMMA``, one program per SM, 64-token tiles;
+    ``MLA_FP8_TRITON`` off Hopper). 64+ heads: 64 heads a program with 8 warps (Triton uses
+    wgmma there), 1 program per SM, so each tile is read once instead of by four 16-head
+    programs; BF16 in the transposed kernel (64 tokens as wgmma's M, the heads its N) once the
+    batch holds
     ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``: the batch's total, when known), FP8 not (its V
     would be widened and transposed in registers: 255 registers and spills, 1.3x slower)."""
     if mla:
@@ -92,7 +94,7 @@ def pick_config(
         if group >= 64:
             return DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
         if fp8:
-            return DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
+            return MLA_FP8_WGMMA
         return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)
@@ -143,6 +145,16 @@ def _num_sms(device_index: int) -> int:
 
 def num_sms(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def is_hopper(device: torch.device) -> bool:
+    """sm_90, where the Gluon kernel's warpgroup MMA runs."""
+    return device.type == "cuda" and _is_hopper(device.index or 0)
 
 
 @triton.jit
@@ -822,6 +834,9 @@ def paged_decode(
         max_seq_len = int(table.lengths().max()) if batch else 0  # a host sync
     tokens = total_tokens if total_tokens is not None else batch * max_seq_len
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if cfg.wgmma and (interpreted or not is_hopper(q.device)):
+        cfg = MLA_FP8_TRITON
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
@@ -847,7 +862,6 @@ def paged_decode(
     part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_registers and not interpreted:
         launch["maxnreg"] = cfg.max_registers
@@ -863,32 +877,20 @@ def paged_decode(
         "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n, "FP8": scales is not None,
         "INTERPRETED": interpreted, **launch,
     }  # fmt: skip
-    if v_from_k and cfg.wgmma and not interpreted:
+    if v_from_k and cfg.wgmma:
         if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
             raise ValueError(
                 "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
                 f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
-        gluon_args = {k: v for k, v in shared.items()
-                      if k not in ("FP8", "INTERPRETED", "num_stages", "maxnreg")}  # fmt: skip
-        if cfg.warp_specialized:
-            mla_fp8_ws_kernel[(programs, splits)](
-                KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-                stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-                PRODUCER_WARPS=cfg.producer_warps, PRODUCER_REGS=cfg.max_registers or 232,
-                EARLY_RELEASE=cfg.num_stages == 1,
-                **gluon_args,
-            )  # fmt: skip
-        else:
-            mla_fp8_wgmma_kernel[(programs, splits)](
-                KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-                stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-                STAGES=cfg.num_stages,  # shared-memory buffers (1 or 2), not a Triton pipeline
-                **gluon_args,
-            )  # fmt: skip
+        mla_fp8_wgmma_kernel[(programs, splits)](
+            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+            **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
+        )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:
-        kernel = _mla_tokens_m_kernel if cfg.tokens_as_m or cfg.wgmma else _mla_kernel
+        kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
         kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
