@@ -411,6 +411,9 @@ MLA_PEER_VARIANTS = {
     ),
     # the Triton FP8 kernel the Gluon default replaced on Hopper (still what runs elsewhere)
     "triton": ("fp8", MLA_FP8_TRITON),
+    # the Gluon kernel with splits planned for two programs an SM (one fits): shorter splits,
+    # a second wave
+    "wgmma_pps2": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),
@@ -434,10 +437,11 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
         (128, 32, 4096, None),
         (16, 64, 0, mix),
         (8, 64, 0, mix),
+        (16, 256, 0, mix),
     ]
     grid = [(*shape, True) for shape in named]  # fmt: skip
     if quick:
-        return grid[:3] + grid[7:9]
+        return grid[:3] + grid[7:]
     for heads in (16, 8):
         for batch in (1, 8, 32, 64, 128, 256):
             for ctx in (1024, 4096, 8192, 16384, 32768):
