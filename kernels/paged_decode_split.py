@@ -60,6 +60,10 @@ class DecodeConfig:
 # registers capped at 168 (3 programs per SM).
 MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)
+# From this many tokens in a batch the Gluon kernel (one program an SM) is 1.03-1.44x the
+# Triton one; below, too few tiles: 0.89-0.98x at one request of 1k-4k and 8 of 1k, 1.05x at
+# one of 8k (bench/results/fp8_kv_flashmla.json, which times both on every shape).
+WGMMA_MIN_TOKENS = 16384
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
 # programs (0.63-0.76x at 1-8 requests of 1k-4k); from it on it is 1.00-1.14x
@@ -78,14 +82,14 @@ def pick_config(
 
     MLA is bound by latency, not bytes: a program's tile time is fixed by its dependent loads
     and MMA chains, so the context is split into exactly as many programs as the GPU holds at
-    once (a partial second wave cost up to 1.3x). 16 heads a program: the latent in quarters,
-    32 tokens a tile; BF16 compiles to 128 registers (4 programs per SM); FP8 runs the
-    warp-specialized Gluon kernel (``MLA_FP8_WGMMA``, one program per SM, 64-token tiles;
-    ``MLA_FP8_TRITON`` off Hopper). 64+ heads: 64 heads a program with 8 warps (Triton uses
-    wgmma there), 1 program per SM, so each tile is read once instead of by four 16-head
-    programs; BF16 in the transposed kernel (64 tokens as wgmma's M, the heads its N) once the
-    batch holds
-    ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``: the batch's total, when known), FP8 not (its V
+    once (a partial second wave cost up to 1.3x). 16 heads a program: BF16 has the latent in
+    quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs the
+    warp-specialized Gluon kernel (``MLA_FP8_WGMMA``, one program per SM, 64-token tiles) from
+    ``WGMMA_MIN_TOKENS`` on, ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
+    a program with 8 warps (Triton uses wgmma there), 1 program per SM, so each tile is read
+    once instead of by four 16-head programs; BF16 in the transposed kernel (64 tokens as
+    wgmma's M, the heads its N) once the batch holds ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``:
+    the batch's total, when known), FP8 not (its V
     would be widened and transposed in registers: 255 registers and spills, 1.3x slower)."""
     if mla:
         big = tokens is None or tokens >= TOKENS_AS_M_MIN_TOKENS
@@ -94,7 +98,8 @@ def pick_config(
         if group >= 64:
             return DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
         if fp8:
-            return MLA_FP8_WGMMA
+            wide = tokens is None or tokens >= WGMMA_MIN_TOKENS
+            return MLA_FP8_WGMMA if wide else MLA_FP8_TRITON
         return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)

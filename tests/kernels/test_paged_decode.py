@@ -228,6 +228,9 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
     assert fp8 == MLA_FP8_WGMMA  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
+    # too few tiles for one program an SM: the Triton kernel
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=8 * 1024) == MLA_FP8_TRITON
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=16 * 1024) == MLA_FP8_WGMMA
     assert pick_config(512, 128, mla=True).block_h == 64
     # 64+ heads: BF16 in the transposed kernel once the batch is big enough, FP8 not
     assert pick_config(512, 64, mla=True, tokens=64 * 4096).tokens_as_m
