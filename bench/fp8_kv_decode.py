@@ -414,9 +414,6 @@ MLA_PEER_VARIANTS = {
     # the Gluon kernel with splits planned for two programs an SM (one fits): shorter splits,
     # a second wave
     "wgmma_pps2": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
-    # one reduction across the consumer's warps a tile (both maxima), the row sums at the end
-    "wgmma_fused": ("fp8", DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
-                                        fused_reductions=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

@@ -53,7 +53,6 @@ class DecodeConfig:
     # warpgroup MMA (mla_decode_wgmma.py); under Triton's interpreter and off Hopper,
     # MLA_FP8_TRITON runs instead
     wgmma: bool = False
-    fused_reductions: bool = False  # wgmma: one reduction across warps a tile instead of three
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -893,7 +892,6 @@ def paged_decode(
         mla_fp8_wgmma_kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            FUSED=cfg.fused_reductions,
             **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
         )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:
