@@ -53,13 +53,19 @@ class DecodeConfig:
     # warpgroup MMA (mla_decode_wgmma.py); under Triton's interpreter and off Hopper,
     # MLA_FP8_TRITON runs instead
     wgmma: bool = False
+    # the balanced plan (lengths known) fills this many waves of programs_per_sm: shorter
+    # splits, less left over for the last wave
+    balanced_waves: int = 1
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
 # (Triton's interpreter, GPUs other than Hopper). The latent in quarters, 32 tokens a tile, 186
 # registers capped at 168 (3 programs per SM).
 MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
-MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True)
+# Balanced splits in two waves of one program an SM: over the 1k-8k mixes 1.04-1.20x one wave
+# (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
+MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
+                             balanced_waves=2)  # fmt: skip
 # From this many tokens in a batch the Gluon kernel (one program an SM) is 1.03-1.44x the
 # Triton one; below, too few tiles: 0.89-0.98x at one request of 1k-4k and 8 of 1k, 1.05x at
 # one of 8k (bench/results/fp8_kv_flashmla.json, which times both on every shape).
@@ -855,7 +861,7 @@ def paged_decode(
             total_tokens * num_kv_heads * head_blocks,
             max_seq_len,
             cfg.block_n,
-            cfg.programs_per_sm * sms,
+            cfg.programs_per_sm * cfg.balanced_waves * sms,
         )
 
     if out is None:
