@@ -95,8 +95,8 @@ def pick_config(
     a program with 8 warps (Triton uses wgmma there), 1 program per SM, so each tile is read
     once instead of by four 16-head programs; BF16 in the transposed kernel (64 tokens as
     wgmma's M, the heads its N) once the batch holds ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``:
-    the batch's total, when known), FP8 not (its V
-    would be widened and transposed in registers: 255 registers and spills, 1.3x slower)."""
+    the batch's total, when known), FP8 not (its V would be widened and transposed in
+    registers: 255 registers and spills, 1.3x slower)."""
     if mla:
         big = tokens is None or tokens >= TOKENS_AS_M_MIN_TOKENS
         if group >= 64 and not fp8 and big:
