@@ -11,15 +11,22 @@ shapes (16-byte aligned pointers, strides divisible by 16), and prints registers
 ``--balanced``: the kernel compiled for balanced splits (a caller that passes the batch's total
 length, as the decode slice does); without it, equal splits (``bench/mla_profile.py``'s runs).
 Run it with the Triton version of the GPU image: the register allocation differs between them.
+At up to 16 heads it also compiles the FP8 default on Hopper, the warp-specialized Gluon kernel
+(``mla_decode_wgmma.py``, written for the GPU image's Triton 3.6), and prints its registers,
+stack, shared memory and spill instructions (its two partitions share one loop-free listing, so
+no loop mix).
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import triton
+from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
     _mla_kernel,
@@ -28,7 +35,8 @@ from tessera.kernels.paged_decode_split import (
 )
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from w4a16_sass import loop_opcodes, resources
+from triton.experimental.gluon._runtime import GluonASTSource
+from w4a16_sass import CUOBJDUMP, loop_opcodes, resources
 
 POINTERS = ("Q", "KV", "KV_SCALE", "seq_lens", "indptr", "indices", "part_out", "part_lse")
 SCALARS = ("sm_scale_log2e", "num_splits", "fixed_split_len", "head_blocks", "num_heads",
@@ -60,6 +68,22 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
 
 
+def compile_gluon_cubin(balanced: bool) -> tuple[bytes, int]:
+    """The Gluon FP8 kernel for 16 heads: its cubin and shared memory in bytes."""
+    fn = mla_fp8_wgmma_kernel
+    types = {"Q": "*bf16", "KV": "*fp8e4nv", "KV_SCALE": "*fp32", "seq_lens": "*i32",
+             "indptr": "*i32", "indices": "*i32", "part_out": "*fp32", "part_lse": "*fp32",
+             "sm_scale_log2e": "fp32"}  # fmt: skip
+    signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
+    constexprs = {"PAGE_SIZE": 64, "ENTRIES_PER_PAGE": 1, "LENS_ARE_ENDS": False,
+                  "BALANCED": balanced, "D": 512, "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
+    src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return kernel.asm["cubin"], kernel.metadata.shared
+
+
 def main() -> None:
     args = sys.argv[1:]
     balanced = "--balanced" in args
@@ -76,6 +100,15 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
+            if h <= 16:
+                cubin, shared = compile_gluon_cubin(balanced)
+                path = Path(tmp) / f"mla_{h}_gluon.cubin"
+                path.write_bytes(cubin)
+                listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
+                                         capture_output=True, text=True).stdout  # fmt: skip
+                spills = len(re.findall(r"\b(?:STL|LDL)\b", listing))
+                print(f"{h} heads FP8, Gluon (the Hopper default): {resources(path)}; shared "
+                      f"{shared} bytes; {spills} spill loads/stores (STL/LDL)", flush=True)
 
 
 if __name__ == "__main__":
