@@ -17,7 +17,9 @@ so no head is padded. What Triton's ``tl.dot`` could not be made to do, and Gluo
 
 The per-token scales go to the fp32 scores and the probabilities, never to the tile. 186 KB of
 shared memory: one program an SM. Needs sm_90 and a compiled run: Gluon has no interpreter,
-so the launcher runs the Triton kernel under the interpreter and off Hopper.
+so the launcher runs the Triton kernel under the interpreter and off Hopper. Written for the
+GPU image's Triton 3.6 (Gluon's API moves between releases: 3.9 renamed the shared-memory
+``_reinterpret`` this kernel uses).
 """
 
 from __future__ import annotations
