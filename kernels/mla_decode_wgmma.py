@@ -33,6 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .decode_split_range import split_range
+
+_split_range = gluon.jit(split_range.fn)  # the Triton function, compiled as Gluon
+
 
 @gluon.jit
 def _tile_slots(
@@ -261,20 +265,8 @@ def mla_fp8_wgmma_kernel(
     hb = pid % head_blocks
     b = pid // head_blocks
 
-    # the split's token range (as _split_range in paged_decode_split)
-    row = gl.load(indptr + b).to(gl.int64)
-    seq_len = gl.load(seq_lens + b).to(gl.int64)
-    if LENS_ARE_ENDS:
-        seq_len -= row
-    seq_len = seq_len.to(gl.int32)
-    if BALANCED:
-        split_len = fixed_split_len
-    else:
-        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    if split == num_splits - 1:
-        end = seq_len
+    row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
+                                   LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
 
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     q_lat = gl.load(
