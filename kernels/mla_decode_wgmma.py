@@ -296,9 +296,14 @@ def mla_fp8_wgmma_kernel(
         gl.float16, [2, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
     )  # fmt: skip
+    # the producer writes the fp16 tiles as 32-bit words of two values: the same bytes, the
+    # same 128-byte swizzle
     words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
     k_lat_w_all = k_lat_all._reinterpret(gl.int32, [2, BLOCK_N, D // 2], words_l)
     k_rope_w_all = k_rope_all._reinterpret(gl.int32, [2, BLOCK_N, D_ROPE // 2], words_l)
+    # full[i]: the producer filled buffer i; empty[i]: the consumer's output product is done
+    # with it (the producer's first wait on each passes: a new mbarrier's previous phase counts
+    # as complete)
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
