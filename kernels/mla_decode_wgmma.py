@@ -17,9 +17,9 @@ so no head is padded. What Triton's ``tl.dot`` could not be made to do, and Gluo
 
 The per-token scales go to the fp32 scores and the probabilities, never to the tile. 186 KB of
 shared memory: one program an SM. Needs sm_90 and a compiled run: Gluon has no interpreter,
-so the launcher runs the Triton kernel under the interpreter and off Hopper. Written for the
-GPU image's Triton 3.6 (Gluon's API moves between releases: 3.9 renamed the shared-memory
-``_reinterpret`` this kernel uses).
+so the launcher runs the Triton kernel under the interpreter and off Hopper. Runs on the GPU
+image's Triton 3.6; compiles with 3.9 too (Gluon's API moves between releases: ``_as_words``
+takes the shared-memory view by either name).
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .decode_split_range import split_range
 
 _split_range = gluon.jit(split_range.fn)  # the Triton function, compiled as Gluon
+# Triton 3.9 renamed shared_memory_descriptor._reinterpret (3.6, the GPU image's) to reinterpret
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _as_words(buffers, shape: gl.constexpr):
+    """fp16 buffers as 32-bit words of two values: the same bytes, the same 128-byte swizzle."""
+    if _NEW_REINTERPRET:
+        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(128, 32))
+    else:
+        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(128, 32))
+    return words
 
 
 @gluon.jit
@@ -296,11 +308,9 @@ def mla_fp8_wgmma_kernel(
         gl.float16, [2, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
     )  # fmt: skip
-    # the producer writes the fp16 tiles as 32-bit words of two values: the same bytes, the
-    # same 128-byte swizzle
-    words_l: gl.constexpr = gl.NVMMASharedLayout(128, 32)
-    k_lat_w_all = k_lat_all._reinterpret(gl.int32, [2, BLOCK_N, D // 2], words_l)
-    k_rope_w_all = k_rope_all._reinterpret(gl.int32, [2, BLOCK_N, D_ROPE // 2], words_l)
+    # the producer writes the fp16 tiles as 32-bit words of two values
+    k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
+    k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
     # full[i]: the producer filled buffer i; empty[i]: the consumer's output product is done
     # with it (the producer's first wait on each passes: a new mbarrier's previous phase counts
     # as complete)
