@@ -412,7 +412,8 @@ MLA_PEER_VARIANTS = {
     # the Triton FP8 kernel the Gluon default replaced on Hopper (still what runs elsewhere)
     "triton": ("fp8", MLA_FP8_TRITON),
     # the Gluon kernel with splits planned for two programs an SM (one fits): shorter splits,
-    # a second wave (kept for the balanced plan: MLA_FP8_WGMMA.balanced_waves)
+    # a second wave; the evidence for MLA_FP8_WGMMA.balanced_waves (faster on the mixes,
+    # slower on equal lengths)
     "wgmma_pps2": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads

@@ -68,20 +68,30 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
 
 
-def compile_gluon_cubin(balanced: bool) -> tuple[bytes, int]:
-    """The Gluon FP8 kernel for 16 heads: its cubin and shared memory in bytes."""
+def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1) -> dict:
+    """The Gluon FP8 kernel for 16 heads, built for sm_90: its shared memory in bytes, registers
+    and stack (``resources``), and whether its SASS has wgmma and how many spill instructions.
+    ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     fn = mla_fp8_wgmma_kernel
     types = {"Q": "*bf16", "KV": "*fp8e4nv", "KV_SCALE": "*fp32", "seq_lens": "*i32",
              "indptr": "*i32", "indices": "*i32", "part_out": "*fp32", "part_lse": "*fp32",
              "sm_scale_log2e": "fp32"}  # fmt: skip
     signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
-    constexprs = {"PAGE_SIZE": 64, "ENTRIES_PER_PAGE": 1, "LENS_ARE_ENDS": False,
-                  "BALANCED": balanced, "D": 512, "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64}
+    constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
+                  "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
+                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return kernel.asm["cubin"], kernel.metadata.shared
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mla_gluon.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
+                                 capture_output=True, text=True).stdout  # fmt: skip
+        return {"shared": kernel.metadata.shared, "resources": resources(path),
+                "wgmma": "HGMMA" in listing,
+                "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing))}  # fmt: skip
 
 
 def main() -> None:
@@ -101,15 +111,10 @@ def main() -> None:
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
             if h <= 16:
-                cubin, shared = compile_gluon_cubin(balanced)
-                path = Path(tmp) / f"mla_{h}_gluon.cubin"
-                path.write_bytes(cubin)
-                listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
-                                         capture_output=True, text=True).stdout  # fmt: skip
-                spills = len(re.findall(r"\b(?:STL|LDL)\b", listing))
-                print(f"{h} heads FP8, Gluon (the Hopper default): {resources(path)}; shared "
-                      f"{shared} bytes; {spills} spill loads/stores (STL/LDL)", flush=True)
-
+                r = gluon_report(balanced)
+                print(f"{h} heads FP8, Gluon (the Hopper default): {r['resources']}; shared "
+                      f"{r['shared']} bytes; {r['spills']} spill loads/stores (STL/LDL)",
+                      flush=True)
 
 if __name__ == "__main__":
     main()
