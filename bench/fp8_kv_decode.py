@@ -27,7 +27,7 @@ import math
 import subprocess
 import sys
 import types
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
-from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, DecodeConfig
+from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA, DecodeConfig
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
 
@@ -415,6 +415,13 @@ MLA_PEER_VARIANTS = {
     # a second wave; the evidence for MLA_FP8_WGMMA.balanced_waves (faster on the mixes,
     # slower on equal lengths)
     "wgmma_pps2": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
+    # two consumer warpgroups taking tiles in turn (one's softmax beside the other's products)
+    "wgmma_c2": ("fp8", replace(MLA_FP8_WGMMA, consumers=2)),
+    # each side of the Gluon kernel alone (the other only hands buffers over; outputs are
+    # meaningless): the producer's loads and widening, the consumers' products and softmax
+    "wgmma_producer_only": ("fp8", replace(MLA_FP8_WGMMA, only=1)),
+    "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
+    "wgmma_c2_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, consumers=2, only=2)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

@@ -42,6 +42,7 @@ POINTERS = ("Q", "KV", "KV_SCALE", "seq_lens", "indptr", "indices", "part_out", 
 SCALARS = ("sm_scale_log2e", "num_splits", "fixed_split_len", "head_blocks", "num_heads",
            "stride_qb", "stride_qh", "stride_kv_slot", "stride_s_slot", "stride_pb", "stride_ph",
            "stride_ps")  # fmt: skip
+SETMAXNREG = r"USETMAXREG\.\S+ (?:UP\d+, )?(0x[0-9a-f]+)"  # a partition's register limit
 STRIDES = {"stride_qb", "stride_qh", "stride_kv_slot", "stride_pb", "stride_ph"}
 
 
@@ -68,9 +69,12 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
 
 
-def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1) -> dict:
+def gluon_report(
+    balanced: bool, page_size: int = 64, entries_per_page: int = 1, consumers: int = 1
+) -> dict:
     """The Gluon FP8 kernel for 16 heads, built for sm_90: its shared memory in bytes, registers
-    and stack (``resources``), and whether its SASS has wgmma and how many spill instructions.
+    and stack (``resources``), each partition's register limit (``setmaxnreg``), and whether its
+    SASS has wgmma and how many spill instructions.
     ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     fn = mla_fp8_wgmma_kernel
     types = {"Q": "*bf16", "KV": "*fp8e4nv", "KV_SCALE": "*fp32", "seq_lens": "*i32",
@@ -79,7 +83,8 @@ def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1)
     signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
-                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64}  # fmt: skip
+                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "CONSUMERS": consumers,
+                  "ONLY": 0}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
@@ -91,6 +96,7 @@ def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1)
                                  capture_output=True, text=True).stdout  # fmt: skip
         return {"shared": kernel.metadata.shared, "resources": resources(path),
                 "wgmma": "HGMMA" in listing,
+                "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing))}  # fmt: skip
 
 
@@ -110,11 +116,11 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
-            if h <= 16:
-                r = gluon_report(balanced)
-                print(f"{h} heads FP8, Gluon (the Hopper default): {r['resources']}; shared "
-                      f"{r['shared']} bytes; {r['spills']} spill loads/stores (STL/LDL)",
-                      flush=True)
+            for consumers in (1, 2) if h <= 16 else ():
+                r = gluon_report(balanced, consumers=consumers)
+                print(f"{h} heads FP8, Gluon, {consumers} consumer warpgroup(s): "
+                      f"{r['resources']}; setmaxnreg {r['setmaxnreg']}; shared {r['shared']} "
+                      f"bytes; {r['spills']} spill loads/stores (STL/LDL)", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,9 @@ from .decode_split_range import split_range
 _split_range = gluon.jit(split_range.fn)  # the Triton function, compiled as Gluon
 # Triton 3.9 renamed shared_memory_descriptor._reinterpret (3.6, the GPU image's) to reinterpret
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+# the kernel's ONLY, for measuring each side's time alone: the other side hands buffers over
+PRODUCER_ONLY = gl.constexpr(1)
+CONSUMER_ONLY = gl.constexpr(2)
 
 
 @gluon.jit
@@ -120,31 +123,37 @@ def _widen(words):
 def _producer(
     KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
-    the free buffer and marks it full."""
-    WQ2: gl.constexpr = D // 8
-    # 16 e4m3 bytes (4 words) a thread, 8 threads per 128-byte latent quarter row, 4 per rope row
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
-    for i in range(gl.cdiv(end - start, BLOCK_N)):
-        buf = i % 2
-        n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
-                                        stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
-                                        D, D_ROPE, lat_l, rope_l)  # fmt: skip
-        mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
-        k_lat_w = k_lat_w_all.index(buf)
-        k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-        k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-        k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-        k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-        k_rope_w_all.index(buf).store(_widen(kr))
-        fence_async_shared()
-        mbarrier.arrive(full.index(buf), count=1)
-        k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+    the free buffer and marks it full. ``ONLY == CONSUMER_ONLY``: hands the buffers over as they
+    are (the consumer's time alone)."""
+    if ONLY == CONSUMER_ONLY:
+        for i in range(gl.cdiv(end - start, BLOCK_N)):
+            mbarrier.wait(empty.index(i % 2), (i // 2 & 1) ^ 1)
+            mbarrier.arrive(full.index(i % 2), count=1)
+    else:
+        WQ2: gl.constexpr = D // 8
+        # 16 e4m3 bytes (4 words) a thread, 8 threads a 128-byte latent quarter row, 4 a rope row
+        lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
+                                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
+        for i in range(gl.cdiv(end - start, BLOCK_N)):
+            buf = i % 2
+            n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
+                                            stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
+                                            D, D_ROPE, lat_l, rope_l)  # fmt: skip
+            mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
+            k_lat_w = k_lat_w_all.index(buf)
+            k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+            k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+            k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+            k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+            k_rope_w_all.index(buf).store(_widen(kr))
+            fence_async_shared()
+            mbarrier.arrive(full.index(buf), count=1)
+            k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
 
 
 @gluon.jit
@@ -157,64 +166,72 @@ def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
     k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
     stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FIRST: gl.constexpr,
+    CONSUMERS: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """The products and the online softmax of each full buffer, which it frees as soon as the
-    tile's output product is done; then the split's partial output and log-sum-exp."""
+    """The products and the online softmax of tiles ``FIRST, FIRST + CONSUMERS, ...`` as their
+    buffers fill, freeing each as soon as its output product is done; then this consumer's
+    partial output and log-sum-exp, as split ``split * CONSUMERS + FIRST``. ``ONLY ==
+    PRODUCER_ONLY``: hands the buffers back untouched (the producer's time alone)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
     )
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    STEP: gl.constexpr = CONSUMERS * BLOCK_N
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # the softmax's sums, rows unsummed
     acc = gl.zeros([D, BLOCK_H], gl.float32, mma)  # o^T
     # acc holds the output divided by the last tile's largest V scale
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
-    slot, mask = _tile_slots(indices, row, start, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                             BLOCK_N)  # fmt: skip
+    n0 = start + FIRST * BLOCK_N
+    slot, mask = _tile_slots(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-    for i in range(gl.cdiv(end - start, BLOCK_N)):
+    for i in range(FIRST, gl.cdiv(end - start, BLOCK_N), CONSUMERS):
         buf = i % 2
-        n0 = start + i * BLOCK_N
-        k_lat_s = k_lat_all.index(buf)
         mbarrier.wait(full.index(buf), i // 2 & 1)
-        s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
-                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
-        # the next tile's scales, in flight through this tile's softmax
-        slot, next_mask = _tile_slots(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
-                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        s = s * (scale * sm_scale_log2e)[:, None]
-        s = gl.where(mask[:, None], s, float("-inf"))
+        if ONLY != PRODUCER_ONLY:
+            k_lat_s = k_lat_all.index(buf)
+            s = warpgroup_mma(k_lat_s, q_lat_s.permute((1, 0)),
+                              gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
+            # the next tile's scales, in flight through this tile's softmax
+            slot, next_mask = _tile_slots(indices, row, n0 + STEP, end, tok_l, PAGE_SIZE,
+                                          ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+            next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            s = s * (scale * sm_scale_log2e)[:, None]
+            s = gl.where(mask[:, None], s, float("-inf"))
 
-        # one pass across the warps for both maxima (the scores' and the V scales'); the row
-        # sums stay per thread until the end (three reductions a tile were 1.14x the time)
-        s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
-        m_new = gl.maximum(m, s_top)
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_rows = l_rows * alpha[None, :] + p
-        # V scales go into p relative to the tile's largest; the accumulator is re-based on it
-        v_top = gl.maximum(v_top, 1e-30)
-        p = p * scale[:, None] / v_top[None, :]
-        alpha = alpha * (acc_unit / v_top)
-        acc_unit = v_top
-        p_s = p_all.index(buf)
-        p_s.store(p.to(gl.float16))
-        fence_async_shared()
-        acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
-        # the buffer goes back at once (with it kept until the next tile's scores were done,
-        # the producer waited for it: 1.06x the time)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+            # one pass across the warps for both maxima (the scores' and the V scales'); the
+            # row sums stay per thread until the end (three reductions a tile were 1.14x the
+            # time)
+            s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
+            m_new = gl.maximum(m, s_top)
+            alpha = gl.exp2(m - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_rows = l_rows * alpha[None, :] + p
+            # V scales go into p relative to the tile's largest; the accumulator is re-based on
+            # it
+            v_top = gl.maximum(v_top, 1e-30)
+            p = p * scale[:, None] / v_top[None, :]
+            alpha = alpha * (acc_unit / v_top)
+            acc_unit = v_top
+            p_s = p_all.index(buf)
+            p_s.store(p.to(gl.float16))
+            fence_async_shared()
+            acc = warpgroup_mma(k_lat_s.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+            # the buffer goes back at once (with it kept until the next tile's scores were done,
+            # the producer waited for it: 1.06x the time)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            m = m_new
+            scale, mask = next_scale, next_mask
         mbarrier.arrive(empty.index(buf), count=1)
-        m = m_new
-        scale, mask = next_scale, next_mask
-    _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b, split, hb,
-                   num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
+        n0 += STEP
+    _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b,
+                   split * CONSUMERS + FIRST, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
+                   BLOCK_H, mma)  # fmt: skip
 
 
 @gluon.jit
@@ -266,9 +283,14 @@ def mla_fp8_wgmma_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    CONSUMERS: gl.constexpr = 1,
+    ONLY: gl.constexpr = 0,
 ):
-    """Stage 1: the producer warpgroup loads and widens tiles into two buffers, the consumer
-    warpgroup (the kernel's 4 warps) runs the products and the softmax."""
+    """Stage 1: the producer warpgroup loads and widens tiles into two buffers; the consumer
+    warpgroup (the kernel's 4 warps), or two taking turns (``CONSUMERS``, each its own partial
+    output: split ``s`` writes partials ``s * CONSUMERS + c``), runs the products and the
+    softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work
+    alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -322,16 +344,40 @@ def mla_fp8_wgmma_kernel(
     fence_async_shared()  # q's stores, before the products read it
 
     KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-    gl.warp_specialize(
-        [
-            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                            q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
-                            part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                            stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N)),
-            (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
-                            k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                            D_ROPE)),
-        ],
-        [4],
-        [232],  # the producer's registers a thread: two tiles of words and their widening
-    )  # fmt: skip
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
+                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 0, 1,
+                             ONLY)),
+                (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
+                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                             D_ROPE, ONLY)),
+            ],
+            [4],
+            [232],  # the producer's registers a thread: two tiles of words and their widening
+        )  # fmt: skip
+    else:
+        # the producer as the default partition: the consumers' registers are then set exactly
+        # (as the default partition, a consumer carried the kernel's live values and spilled)
+        gl.warp_specialize(
+            [
+                (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
+                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                             D_ROPE, ONLY)),
+                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
+                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 0, 2,
+                             ONLY)),
+                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
+                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 1, 2,
+                             ONLY)),
+            ],
+            [4, 4],
+            [160, 160],
+        )  # fmt: skip
