@@ -54,35 +54,48 @@ def _as_words(buffers, shape: gl.constexpr):
 
 
 @gluon.jit
-def _tile_slots(
+def _tile_entry(
     indices, row, n0, end, layout: gl.constexpr, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """The cache slots of tokens ``n0 .. n0 + BLOCK_N`` (in ``layout``) and which are ``< end``.
-    Tiles start at multiples of ``BLOCK_N``: one table entry a tile when a page holds it."""
-    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
-    mask = offs < end
+    """The page-table entries of tokens ``n0 .. n0 + BLOCK_N`` (in ``layout``), 0 past ``end``:
+    one scalar when a page holds the tile (tiles start at multiples of ``BLOCK_N``). Both sides
+    load them a tile before the loads they address, which then wait for no table load."""
     if BLOCK_N <= PAGE_SIZE:
         entry = gl.load(indices + row + (n0 // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=n0 < end,
-                        other=0).to(gl.int64)  # fmt: skip
+                        other=0)  # fmt: skip
     else:
-        entry = gl.load(indices + row + (offs // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=mask,
-                        other=0).to(gl.int64)  # fmt: skip
-    return (entry // ENTRIES_PER_PAGE) * PAGE_SIZE + offs % PAGE_SIZE, mask
+        offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+        entry = gl.load(indices + row + (offs // PAGE_SIZE) * ENTRIES_PER_PAGE, mask=offs < end,
+                        other=0)  # fmt: skip
+    return entry
+
+
+@gluon.jit
+def _tile_slots(
+    entry, n0, end, layout: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The cache slots of tokens ``n0 .. n0 + BLOCK_N`` (in ``layout``) from their page-table
+    ``entry`` (``_tile_entry``), and which are ``< end``."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    page = entry.to(gl.int64) // ENTRIES_PER_PAGE
+    return page * PAGE_SIZE + offs % PAGE_SIZE, offs < end
 
 
 @gluon.jit
 def _load_tile(
-    KV32, indices, row, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
+    KV32, e_lat, e_rope, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
     D_ROPE: gl.constexpr, lat_l: gl.constexpr, rope_l: gl.constexpr,
 ):  # fmt: skip
     """The tile's e4m3 bytes as 32-bit words (four values each, so the registers that carry
     the next tile through this tile's products hold four values apiece), 0 past ``end``: the
     latent dims in four quarters ``[BLOCK_N, D / 16]`` (each widened and stored alone) and the
-    rope dims ``[BLOCK_N, D_ROPE / 4]``."""
+    rope dims ``[BLOCK_N, D_ROPE / 4]``. ``e_lat``, ``e_rope``: the tile's page-table entries
+    in the two layouts' rows."""
     WQ: gl.constexpr = D // 16
-    slot, mask = _tile_slots(indices, row, n0, end, gl.SliceLayout(1, lat_l), PAGE_SIZE,
+    slot, mask = _tile_slots(e_lat, n0, end, gl.SliceLayout(1, lat_l), PAGE_SIZE,
                              ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
     rows = KV32 + slot[:, None] * stride_kv_word
     cols = gl.arange(0, WQ, layout=gl.SliceLayout(0, lat_l))[None, :]
@@ -90,7 +103,7 @@ def _load_tile(
     k1 = gl.load(rows + WQ + cols, mask=mask[:, None], other=0)
     k2 = gl.load(rows + 2 * WQ + cols, mask=mask[:, None], other=0)
     k3 = gl.load(rows + 3 * WQ + cols, mask=mask[:, None], other=0)
-    slot, mask = _tile_slots(indices, row, n0, end, gl.SliceLayout(1, rope_l), PAGE_SIZE,
+    slot, mask = _tile_slots(e_rope, n0, end, gl.SliceLayout(1, rope_l), PAGE_SIZE,
                              ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
     cols = D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, rope_l))
     kr = gl.load(KV32 + slot[:, None] * stride_kv_word + cols[None, :], mask=mask[:, None],
@@ -137,11 +150,28 @@ def _producer(
         # 16 e4m3 bytes (4 words) a thread, 8 threads a 128-byte latent quarter row, 4 a rope row
         lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
         rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        k0, k1, k2, k3, kr = _load_tile(KV32, indices, row, start, end, stride_kv_word, PAGE_SIZE,
-                                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l, rope_l)
+        lat_rows: gl.constexpr = gl.SliceLayout(1, lat_l)
+        rope_rows: gl.constexpr = gl.SliceLayout(1, rope_l)
+        e_lat = _tile_entry(indices, row, start, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                            BLOCK_N)  # fmt: skip
+        e_rope = _tile_entry(indices, row, start, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                             BLOCK_N)  # fmt: skip
+        k0, k1, k2, k3, kr = _load_tile(KV32, e_lat, e_rope, start, end, stride_kv_word,
+                                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l,
+                                        rope_l)  # fmt: skip
+        n = start + BLOCK_N
+        e_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+        e_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                             BLOCK_N)  # fmt: skip
         for i in range(gl.cdiv(end - start, BLOCK_N)):
             buf = i % 2
-            n0, n1, n2, n3, nr = _load_tile(KV32, indices, row, start + (i + 1) * BLOCK_N, end,
+            # tile i + 2's entries, and tile i + 1's words from the entries loaded a tile ago
+            n = start + (i + 2) * BLOCK_N
+            f_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                BLOCK_N)  # fmt: skip
+            f_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                 BLOCK_N)  # fmt: skip
+            n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, n - BLOCK_N, end,
                                             stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
                                             D, D_ROPE, lat_l, rope_l)  # fmt: skip
             mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
@@ -154,6 +184,7 @@ def _producer(
             fence_async_shared()
             mbarrier.arrive(full.index(buf), count=1)
             k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+            e_lat, e_rope = f_lat, f_rope
 
 
 @gluon.jit
@@ -185,8 +216,11 @@ def _consumer(
     # acc holds the output divided by the last tile's largest V scale
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
     n0 = start + FIRST * BLOCK_N
-    slot, mask = _tile_slots(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+    entry = _tile_entry(indices, row, n0 + STEP, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                        BLOCK_N)  # fmt: skip
     for i in range(FIRST, gl.cdiv(end - start, BLOCK_N), CONSUMERS):
         buf = i % 2
         mbarrier.wait(full.index(buf), i // 2 & 1)
@@ -196,10 +230,13 @@ def _consumer(
                               gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma), use_acc=False,
                               is_async=True)  # fmt: skip
             s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
-            # the next tile's scales, in flight through this tile's softmax
-            slot, next_mask = _tile_slots(indices, row, n0 + STEP, end, tok_l, PAGE_SIZE,
+            # the next tile's scales (from its entries, loaded a tile ago) and the entries of
+            # the one after, in flight through this tile's softmax
+            slot, next_mask = _tile_slots(entry, n0 + STEP, end, tok_l, PAGE_SIZE,
                                           ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+            entry = _tile_entry(indices, row, n0 + 2 * STEP, end, tok_l, PAGE_SIZE,
+                                ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=(s,))
             s = s * (scale * sm_scale_log2e)[:, None]
             s = gl.where(mask[:, None], s, float("-inf"))
