@@ -10,14 +10,25 @@ The profile of the second launch of each kernel is the one to read; bench/result
 
 from __future__ import annotations
 
+import functools
 import sys
+from dataclasses import replace
 
 import torch
 from fp8_kv_decode import PagedCase, fp8_copies
 from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
-from tessera.kernels.paged_decode_split import MLA_FP8_TRITON
+from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA
 from tessera.kernels.paged_kv import FP8_DTYPE
+
+# the Gluon kernel's sides alone (the other only hands buffers over) and its producer two tiles
+# ahead: which side bounds it
+GLUON_VARIANTS = {
+    "producer_only": replace(MLA_FP8_WGMMA, only=1),
+    "consumer_only": replace(MLA_FP8_WGMMA, only=2),
+    "d2": replace(MLA_FP8_WGMMA, producer_depth=2),
+    "d2_producer_only": replace(MLA_FP8_WGMMA, producer_depth=2, only=1),
+}
 
 
 def main() -> None:
@@ -34,6 +45,10 @@ def main() -> None:
     runs["ours_fp8_triton"] = lambda: paged_decode_mla_fp8(
         q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=MLA_FP8_TRITON
     )
+    for name, config in GLUON_VARIANTS.items():
+        runs[f"ours_fp8_{name}"] = functools.partial(
+            paged_decode_mla_fp8, q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=config
+        )
     try:
         import flash_mla
 

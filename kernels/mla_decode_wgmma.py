@@ -84,6 +84,24 @@ def _tile_slots(
 
 
 @gluon.jit
+def _tile_rows(
+    KV32, entry, n0, end, stride_kv_word, layout: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Pointers to the first word of each of the tile's rows, and which rows are ``< end``."""
+    slot, mask = _tile_slots(entry, n0, end, gl.SliceLayout(1, layout), PAGE_SIZE,
+                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    return KV32 + slot[:, None] * stride_kv_word, mask[:, None]
+
+
+@gluon.jit
+def _load_words(rows, mask, first: gl.constexpr, WORDS: gl.constexpr, layout: gl.constexpr):
+    """Words ``first .. first + WORDS`` of each row, 0 in rows past the end."""
+    return gl.load(rows + first + gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))[None, :],
+                   mask=mask, other=0)  # fmt: skip
+
+
+@gluon.jit
 def _load_tile(
     KV32, e_lat, e_rope, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
@@ -95,19 +113,15 @@ def _load_tile(
     rope dims ``[BLOCK_N, D_ROPE / 4]``. ``e_lat``, ``e_rope``: the tile's page-table entries
     in the two layouts' rows."""
     WQ: gl.constexpr = D // 16
-    slot, mask = _tile_slots(e_lat, n0, end, gl.SliceLayout(1, lat_l), PAGE_SIZE,
-                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-    rows = KV32 + slot[:, None] * stride_kv_word
-    cols = gl.arange(0, WQ, layout=gl.SliceLayout(0, lat_l))[None, :]
-    k0 = gl.load(rows + cols, mask=mask[:, None], other=0)
-    k1 = gl.load(rows + WQ + cols, mask=mask[:, None], other=0)
-    k2 = gl.load(rows + 2 * WQ + cols, mask=mask[:, None], other=0)
-    k3 = gl.load(rows + 3 * WQ + cols, mask=mask[:, None], other=0)
-    slot, mask = _tile_slots(e_rope, n0, end, gl.SliceLayout(1, rope_l), PAGE_SIZE,
-                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-    cols = D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, rope_l))
-    kr = gl.load(KV32 + slot[:, None] * stride_kv_word + cols[None, :], mask=mask[:, None],
-                 other=0)  # fmt: skip
+    lat, lat_mask = _tile_rows(KV32, e_lat, n0, end, stride_kv_word, lat_l, PAGE_SIZE,
+                               ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    rope, rope_mask = _tile_rows(KV32, e_rope, n0, end, stride_kv_word, rope_l, PAGE_SIZE,
+                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    k0 = _load_words(lat, lat_mask, 0, WQ, lat_l)
+    k1 = _load_words(lat, lat_mask, WQ, WQ, lat_l)
+    k2 = _load_words(lat, lat_mask, 2 * WQ, WQ, lat_l)
+    k3 = _load_words(lat, lat_mask, 3 * WQ, WQ, lat_l)
+    kr = _load_words(rope, rope_mask, D // 4, D_ROPE // 4, rope_l)
     return k0, k1, k2, k3, kr
 
 
@@ -136,7 +150,7 @@ def _widen(words):
 def _producer(
     KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr, DEPTH: gl.constexpr,
 ):  # fmt: skip
     """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
     the free buffer and marks it full. ``ONLY == CONSUMER_ONLY``: hands the buffers over as they
@@ -163,28 +177,68 @@ def _producer(
         e_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
         e_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
                              BLOCK_N)  # fmt: skip
-        for i in range(gl.cdiv(end - start, BLOCK_N)):
-            buf = i % 2
-            # tile i + 2's entries, and tile i + 1's words from the entries loaded a tile ago
-            n = start + (i + 2) * BLOCK_N
-            f_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                BLOCK_N)  # fmt: skip
-            f_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                 BLOCK_N)  # fmt: skip
-            n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, n - BLOCK_N, end,
+        if DEPTH == 1:
+            for i in range(gl.cdiv(end - start, BLOCK_N)):
+                buf = i % 2
+                # tile i + 2's entries, and tile i + 1's words from the entries loaded a tile ago
+                n = start + (i + 2) * BLOCK_N
+                f_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                    BLOCK_N)  # fmt: skip
+                f_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE,
+                                     ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+                n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, n - BLOCK_N, end,
+                                                stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                                BLOCK_N, D, D_ROPE, lat_l, rope_l)  # fmt: skip
+                mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products done
+                k_lat_w = k_lat_w_all.index(buf)
+                k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+                k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+                k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+                k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+                k_rope_w_all.index(buf).store(_widen(kr))
+                fence_async_shared()
+                mbarrier.arrive(full.index(buf), count=1)
+                k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+                e_lat, e_rope = f_lat, f_rope
+        else:
+            # two tiles ahead in the same registers: each quarter of tile i, once stored, makes
+            # room for that quarter of tile i + 2 (tile i + 1's words are in flight meanwhile)
+            WQ: gl.constexpr = D // 16
+            n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, start + BLOCK_N, end,
                                             stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
                                             D, D_ROPE, lat_l, rope_l)  # fmt: skip
-            mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products are done
-            k_lat_w = k_lat_w_all.index(buf)
-            k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-            k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-            k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-            k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-            k_rope_w_all.index(buf).store(_widen(kr))
-            fence_async_shared()
-            mbarrier.arrive(full.index(buf), count=1)
-            k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
-            e_lat, e_rope = f_lat, f_rope
+            n = start + 2 * BLOCK_N
+            e_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                BLOCK_N)  # fmt: skip
+            e_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                 BLOCK_N)  # fmt: skip
+            for i in range(gl.cdiv(end - start, BLOCK_N)):
+                buf = i % 2
+                n = start + (i + 2) * BLOCK_N
+                f_lat = _tile_entry(indices, row, n + BLOCK_N, end, lat_rows, PAGE_SIZE,
+                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+                f_rope = _tile_entry(indices, row, n + BLOCK_N, end, rope_rows, PAGE_SIZE,
+                                     ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+                lat, lat_mask = _tile_rows(KV32, e_lat, n, end, stride_kv_word, lat_l,
+                                           PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+                rope, rope_mask = _tile_rows(KV32, e_rope, n, end, stride_kv_word, rope_l,
+                                             PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+                mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products done
+                k_lat_w = k_lat_w_all.index(buf)
+                k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+                k0 = _load_words(lat, lat_mask, 0, WQ, lat_l)
+                k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+                k1 = _load_words(lat, lat_mask, WQ, WQ, lat_l)
+                k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+                k2 = _load_words(lat, lat_mask, 2 * WQ, WQ, lat_l)
+                k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+                k3 = _load_words(lat, lat_mask, 3 * WQ, WQ, lat_l)
+                k_rope_w_all.index(buf).store(_widen(kr))
+                kr = _load_words(rope, rope_mask, D // 4, D_ROPE // 4, rope_l)
+                fence_async_shared()
+                mbarrier.arrive(full.index(buf), count=1)
+                k0, k1, k2, k3, kr, n0, n1, n2, n3, nr = n0, n1, n2, n3, nr, k0, k1, k2, k3, kr
+                e_lat, e_rope = f_lat, f_rope
 
 
 @gluon.jit
@@ -322,6 +376,7 @@ def mla_fp8_wgmma_kernel(
     BLOCK_N: gl.constexpr,
     CONSUMERS: gl.constexpr = 1,
     ONLY: gl.constexpr = 0,
+    DEPTH: gl.constexpr = 1,
 ):
     """Stage 1: the producer warpgroup loads and widens tiles into two buffers; the consumer
     warpgroup (the kernel's 4 warps), or two taking turns (``CONSUMERS``, each its own partial
@@ -391,10 +446,10 @@ def mla_fp8_wgmma_kernel(
                              ONLY)),
                 (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                              k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                             D_ROPE, ONLY)),
+                             D_ROPE, ONLY, DEPTH)),
             ],
             [4],
-            [232],  # the producer's registers a thread: two tiles of words and their widening
+            [240],  # the producer's registers a thread: two tiles of words and their widening
         )  # fmt: skip
     else:
         # the producer as the default partition: the consumers' registers are then set exactly
@@ -403,7 +458,7 @@ def mla_fp8_wgmma_kernel(
             [
                 (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                              k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                             D_ROPE, ONLY)),
+                             D_ROPE, ONLY, DEPTH)),
                 (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
                              q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
                              part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
