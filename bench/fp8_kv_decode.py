@@ -415,13 +415,10 @@ MLA_PEER_VARIANTS = {
     # a second wave; the evidence for MLA_FP8_WGMMA.balanced_waves (faster on the mixes,
     # slower on equal lengths)
     "wgmma_pps2": ("fp8", DecodeConfig(64, 16, 4, 1, True, 2, whole_waves=True, wgmma=True)),
-    # two consumer warpgroups taking tiles in turn (one's softmax beside the other's products)
-    "wgmma_c2": ("fp8", replace(MLA_FP8_WGMMA, consumers=2)),
     # each side of the Gluon kernel alone (the other only hands buffers over; outputs are
-    # meaningless): the producer's loads and widening, the consumers' products and softmax
+    # meaningless): the producer's loads and widening, the consumer's products and softmax
     "wgmma_producer_only": ("fp8", replace(MLA_FP8_WGMMA, only=1)),
     "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
-    "wgmma_c2_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, consumers=2, only=2)),
     # the producer loading two tiles ahead of the one it widens
     "wgmma_d2": ("fp8", replace(MLA_FP8_WGMMA, producer_depth=2)),
     "wgmma_d2_producer_only": ("fp8", replace(MLA_FP8_WGMMA, producer_depth=2, only=1)),

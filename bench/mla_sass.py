@@ -70,8 +70,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 
 
 def gluon_report(
-    balanced: bool, page_size: int = 64, entries_per_page: int = 1, consumers: int = 1,
-    depth: int = 1,
+    balanced: bool, page_size: int = 64, entries_per_page: int = 1, depth: int = 1
 ) -> dict:
     """The Gluon FP8 kernel for 16 heads, built for sm_90: its shared memory in bytes, registers
     and stack (``resources``), each partition's register limit (``setmaxnreg``), and whether its
@@ -84,8 +83,8 @@ def gluon_report(
     signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
-                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "CONSUMERS": consumers,
-                  "ONLY": 0, "DEPTH": depth}  # fmt: skip
+                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0,
+                  "DEPTH": depth}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
@@ -117,10 +116,9 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
-            for consumers, depth in ((1, 1), (1, 2), (2, 1)) if h <= 16 else ():
-                r = gluon_report(balanced, consumers=consumers, depth=depth)
-                print(f"{h} heads FP8, Gluon, {consumers} consumer warpgroup(s), producer "
-                      f"{depth} tile(s) ahead: "
+            for depth in (1, 2) if h <= 16 else ():
+                r = gluon_report(balanced, depth=depth)
+                print(f"{h} heads FP8, Gluon, the producer {depth} tile(s) ahead: "
                       f"{r['resources']}; setmaxnreg {r['setmaxnreg']}; shared {r['shared']} "
                       f"bytes; {r['spills']} spill loads/stores (STL/LDL)", flush=True)
 

@@ -161,9 +161,13 @@ def _producer(
             mbarrier.arrive(full.index(i % 2), count=1)
     else:
         WQ2: gl.constexpr = D // 8
-        # 16 e4m3 bytes (4 words) a thread, 8 threads a 128-byte latent quarter row, 4 a rope row
-        lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-        rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        # 16 e4m3 bytes (4 words) a thread, 4 threads a 64-byte piece of a row, 8 rows a warp.
+        # A 16-byte shared store serves 8 lanes at a time; here they span two rows, whose
+        # swizzles differ, so the 8 hit 8 different bank groups. With one row per 8 lanes (the
+        # latent in [4, 8] threads), the two 128-byte column blocks of a quarter row met in the
+        # same banks: 7.5 wavefronts a store instead of 4 (ncu).
+        lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rope_l: gl.constexpr = lat_l
         lat_rows: gl.constexpr = gl.SliceLayout(1, lat_l)
         rope_rows: gl.constexpr = gl.SliceLayout(1, rope_l)
         e_lat = _tile_entry(indices, row, start, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
@@ -251,31 +255,28 @@ def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
     k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
     stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FIRST: gl.constexpr,
-    CONSUMERS: gl.constexpr, ONLY: gl.constexpr,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """The products and the online softmax of tiles ``FIRST, FIRST + CONSUMERS, ...`` as their
-    buffers fill, freeing each as soon as its output product is done; then this consumer's
-    partial output and log-sum-exp, as split ``split * CONSUMERS + FIRST``. ``ONLY ==
+    """The products and the online softmax of each full buffer, which it frees as soon as the
+    tile's output product is done; then the split's partial output and log-sum-exp. ``ONLY ==
     PRODUCER_ONLY``: hands the buffers back untouched (the producer's time alone)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
     )
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
-    STEP: gl.constexpr = CONSUMERS * BLOCK_N
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # the softmax's sums, rows unsummed
     acc = gl.zeros([D, BLOCK_H], gl.float32, mma)  # o^T
     # acc holds the output divided by the last tile's largest V scale
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
-    n0 = start + FIRST * BLOCK_N
+    n0 = start
     entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-    entry = _tile_entry(indices, row, n0 + STEP, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+    entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
                         BLOCK_N)  # fmt: skip
-    for i in range(FIRST, gl.cdiv(end - start, BLOCK_N), CONSUMERS):
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
         buf = i % 2
         mbarrier.wait(full.index(buf), i // 2 & 1)
         if ONLY != PRODUCER_ONLY:
@@ -286,10 +287,10 @@ def _consumer(
             s = warpgroup_mma(k_rope_all.index(buf), q_rope_s.permute((1, 0)), s, is_async=True)
             # the next tile's scales (from its entries, loaded a tile ago) and the entries of
             # the one after, in flight through this tile's softmax
-            slot, next_mask = _tile_slots(entry, n0 + STEP, end, tok_l, PAGE_SIZE,
+            slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                                           ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-            entry = _tile_entry(indices, row, n0 + 2 * STEP, end, tok_l, PAGE_SIZE,
+            entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=(s,))
             s = s * (scale * sm_scale_log2e)[:, None]
@@ -319,10 +320,9 @@ def _consumer(
             m = m_new
             scale, mask = next_scale, next_mask
         mbarrier.arrive(empty.index(buf), count=1)
-        n0 += STEP
-    _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b,
-                   split * CONSUMERS + FIRST, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
-                   BLOCK_H, mma)  # fmt: skip
+        n0 += BLOCK_N
+    _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b, split, hb,
+                   num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
 
 
 @gluon.jit
@@ -374,15 +374,13 @@ def mla_fp8_wgmma_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    CONSUMERS: gl.constexpr = 1,
     ONLY: gl.constexpr = 0,
     DEPTH: gl.constexpr = 1,
 ):
-    """Stage 1: the producer warpgroup loads and widens tiles into two buffers; the consumer
-    warpgroup (the kernel's 4 warps), or two taking turns (``CONSUMERS``, each its own partial
-    output: split ``s`` writes partials ``s * CONSUMERS + c``), runs the products and the
-    softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work
-    alone."""
+    """Stage 1: the producer warpgroup loads and widens tiles into two buffers (``DEPTH``: how
+    many tiles ahead of the one it widens it loads), the consumer warpgroup (the kernel's 4
+    warps) runs the products and the softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or
+    ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -436,40 +434,16 @@ def mla_fp8_wgmma_kernel(
     fence_async_shared()  # q's stores, before the products read it
 
     KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-    if CONSUMERS == 1:
-        gl.warp_specialize(
-            [
-                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
-                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 0, 1,
-                             ONLY)),
-                (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
-                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                             D_ROPE, ONLY, DEPTH)),
-            ],
-            [4],
-            [240],  # the producer's registers a thread: two tiles of words and their widening
-        )  # fmt: skip
-    else:
-        # the producer as the default partition: the consumers' registers are then set exactly
-        # (as the default partition, a consumer carried the kernel's live values and spilled)
-        gl.warp_specialize(
-            [
-                (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
-                             k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                             D_ROPE, ONLY, DEPTH)),
-                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
-                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 0, 2,
-                             ONLY)),
-                (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                             q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty,
-                             part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                             stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, 1, 2,
-                             ONLY)),
-            ],
-            [4, 4],
-            [160, 160],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                         q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_all, full, empty, part_out,
+                         part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps,
+                         PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY)),
+            (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
+                         k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                         D_ROPE, ONLY, DEPTH)),
+        ],
+        [4],
+        [240],  # the producer's registers a thread: two tiles of words and their widening
+    )  # fmt: skip

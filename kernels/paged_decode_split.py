@@ -54,11 +54,9 @@ class DecodeConfig:
     # warpgroup MMA (mla_decode_wgmma.py); under Triton's interpreter and off Hopper,
     # MLA_FP8_TRITON runs instead
     wgmma: bool = False
-    # the Gluon kernel's consumer warpgroups, taking tiles in turn (each writes its own partial)
-    consumers: int = 1
     # how many tiles ahead of the one it widens the Gluon kernel's producer loads
     producer_depth: int = 1
-    # for measuring the Gluon kernel: 1 runs the producer's work alone, 2 the consumers' (the
+    # for measuring the Gluon kernel: 1 runs the producer's work alone, 2 the consumer's (the
     # other side only hands buffers over; the output is meaningless)
     only: int = 0
     # the balanced plan (lengths known) fills this many waves of programs_per_sm: shorter
@@ -849,10 +847,8 @@ def paged_decode(
         raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
     if batch == 0:
         return out
-    # the Gluon kernel's consumers each write a partial: split s's are s * consumers + c
-    partials = splits * (cfg.consumers if v_from_k and cfg.wgmma else 1)
-    part_out = torch.empty(batch, num_heads, partials, dv, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, partials, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_registers and not interpreted:
@@ -879,7 +875,7 @@ def paged_decode(
         mla_fp8_wgmma_kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            CONSUMERS=cfg.consumers, ONLY=cfg.only, DEPTH=cfg.producer_depth,
+            ONLY=cfg.only, DEPTH=cfg.producer_depth,
             **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
         )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:
@@ -904,14 +900,14 @@ def paged_decode(
         part_lse,
         out,
         num_heads,
-        partials,
+        splits,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
         out.stride(0),
         out.stride(1),
         DV=dv,
-        SPLITS_P2=triton.next_power_of_2(partials),
+        SPLITS_P2=triton.next_power_of_2(splits),
         num_warps=4 if dv >= 256 else 2,
     )
     return out
