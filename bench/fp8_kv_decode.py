@@ -419,9 +419,6 @@ MLA_PEER_VARIANTS = {
     # meaningless): the producer's loads and widening, the consumer's products and softmax
     "wgmma_producer_only": ("fp8", replace(MLA_FP8_WGMMA, only=1)),
     "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
-    # the producer loading two tiles ahead of the one it widens
-    "wgmma_d2": ("fp8", replace(MLA_FP8_WGMMA, producer_depth=2)),
-    "wgmma_d2_producer_only": ("fp8", replace(MLA_FP8_WGMMA, producer_depth=2, only=1)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),

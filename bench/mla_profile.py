@@ -21,13 +21,10 @@ from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
 from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA
 from tessera.kernels.paged_kv import FP8_DTYPE
 
-# the Gluon kernel's sides alone (the other only hands buffers over) and its producer two tiles
-# ahead: which side bounds it
+# the Gluon kernel's sides alone (the other only hands buffers over): which side bounds it
 GLUON_VARIANTS = {
     "producer_only": replace(MLA_FP8_WGMMA, only=1),
     "consumer_only": replace(MLA_FP8_WGMMA, only=2),
-    "d2": replace(MLA_FP8_WGMMA, producer_depth=2),
-    "d2_producer_only": replace(MLA_FP8_WGMMA, producer_depth=2, only=1),
 }
 
 

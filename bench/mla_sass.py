@@ -69,9 +69,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
 
 
-def gluon_report(
-    balanced: bool, page_size: int = 64, entries_per_page: int = 1, depth: int = 1
-) -> dict:
+def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1) -> dict:
     """The Gluon FP8 kernel for 16 heads, built for sm_90: its shared memory in bytes, registers
     and stack (``resources``), each partition's register limit (``setmaxnreg``), and whether its
     SASS has wgmma and how many spill instructions.
@@ -83,8 +81,7 @@ def gluon_report(
     signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
-                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0,
-                  "DEPTH": depth}  # fmt: skip
+                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
@@ -116,9 +113,9 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
-            for depth in (1, 2) if h <= 16 else ():
-                r = gluon_report(balanced, depth=depth)
-                print(f"{h} heads FP8, Gluon, the producer {depth} tile(s) ahead: "
+            if h <= 16:
+                r = gluon_report(balanced)
+                print(f"{h} heads FP8, Gluon (the Hopper default): "
                       f"{r['resources']}; setmaxnreg {r['setmaxnreg']}; shared {r['shared']} "
                       f"bytes; {r['spills']} spill loads/stores (STL/LDL)", flush=True)
 

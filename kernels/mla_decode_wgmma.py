@@ -84,17 +84,6 @@ def _tile_slots(
 
 
 @gluon.jit
-def _tile_rows(
-    KV32, entry, n0, end, stride_kv_word, layout: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    """Pointers to the first word of each of the tile's rows, and which rows are ``< end``."""
-    slot, mask = _tile_slots(entry, n0, end, gl.SliceLayout(1, layout), PAGE_SIZE,
-                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-    return KV32 + slot[:, None] * stride_kv_word, mask[:, None]
-
-
-@gluon.jit
 def _load_words(rows, mask, first: gl.constexpr, WORDS: gl.constexpr, layout: gl.constexpr):
     """Words ``first .. first + WORDS`` of each row, 0 in rows past the end."""
     return gl.load(rows + first + gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))[None, :],
@@ -103,25 +92,24 @@ def _load_words(rows, mask, first: gl.constexpr, WORDS: gl.constexpr, layout: gl
 
 @gluon.jit
 def _load_tile(
-    KV32, e_lat, e_rope, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
+    KV32, entry, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    D_ROPE: gl.constexpr, lat_l: gl.constexpr, rope_l: gl.constexpr,
+    D_ROPE: gl.constexpr, layout: gl.constexpr,
 ):  # fmt: skip
     """The tile's e4m3 bytes as 32-bit words (four values each, so the registers that carry
     the next tile through this tile's products hold four values apiece), 0 past ``end``: the
     latent dims in four quarters ``[BLOCK_N, D / 16]`` (each widened and stored alone) and the
-    rope dims ``[BLOCK_N, D_ROPE / 4]``. ``e_lat``, ``e_rope``: the tile's page-table entries
-    in the two layouts' rows."""
+    rope dims ``[BLOCK_N, D_ROPE / 4]``. ``entry``: the tile's page-table entries."""
     WQ: gl.constexpr = D // 16
-    lat, lat_mask = _tile_rows(KV32, e_lat, n0, end, stride_kv_word, lat_l, PAGE_SIZE,
-                               ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-    rope, rope_mask = _tile_rows(KV32, e_rope, n0, end, stride_kv_word, rope_l, PAGE_SIZE,
-                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-    k0 = _load_words(lat, lat_mask, 0, WQ, lat_l)
-    k1 = _load_words(lat, lat_mask, WQ, WQ, lat_l)
-    k2 = _load_words(lat, lat_mask, 2 * WQ, WQ, lat_l)
-    k3 = _load_words(lat, lat_mask, 3 * WQ, WQ, lat_l)
-    kr = _load_words(rope, rope_mask, D // 4, D_ROPE // 4, rope_l)
+    slot, mask = _tile_slots(entry, n0, end, gl.SliceLayout(1, layout), PAGE_SIZE,
+                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+    rows = KV32 + slot[:, None] * stride_kv_word
+    mask = mask[:, None]
+    k0 = _load_words(rows, mask, 0, WQ, layout)
+    k1 = _load_words(rows, mask, WQ, WQ, layout)
+    k2 = _load_words(rows, mask, 2 * WQ, WQ, layout)
+    k3 = _load_words(rows, mask, 3 * WQ, WQ, layout)
+    kr = _load_words(rows, mask, D // 4, D_ROPE // 4, layout)
     return k0, k1, k2, k3, kr
 
 
@@ -150,7 +138,7 @@ def _widen(words):
 def _producer(
     KV32, indices, row, start, end, stride_kv_word, k_lat_w_all, k_rope_w_all, full, empty,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr, DEPTH: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Loads each e4m3 tile (the next one in flight while this one is widened), widens it into
     the free buffer and marks it full. ``ONLY == CONSUMER_ONLY``: hands the buffers over as they
@@ -164,85 +152,36 @@ def _producer(
         # 16 e4m3 bytes (4 words) a thread, 4 threads a 64-byte piece of a row, 8 rows a warp.
         # A 16-byte shared store serves 8 lanes at a time; here they span two rows, whose
         # swizzles differ, so the 8 hit 8 different bank groups. With one row per 8 lanes (the
-        # latent in [4, 8] threads), the two 128-byte column blocks of a quarter row met in the
+        # latent had [4, 8] threads), the two 128-byte column blocks of a quarter row met in the
         # same banks: 7.5 wavefronts a store instead of 4 (ncu).
-        lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        rope_l: gl.constexpr = lat_l
-        lat_rows: gl.constexpr = gl.SliceLayout(1, lat_l)
-        rope_rows: gl.constexpr = gl.SliceLayout(1, rope_l)
-        e_lat = _tile_entry(indices, row, start, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
+        words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
+        entry = _tile_entry(indices, row, start, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE,
                             BLOCK_N)  # fmt: skip
-        e_rope = _tile_entry(indices, row, start, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                             BLOCK_N)  # fmt: skip
-        k0, k1, k2, k3, kr = _load_tile(KV32, e_lat, e_rope, start, end, stride_kv_word,
-                                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, lat_l,
-                                        rope_l)  # fmt: skip
-        n = start + BLOCK_N
-        e_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-        e_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                             BLOCK_N)  # fmt: skip
-        if DEPTH == 1:
-            for i in range(gl.cdiv(end - start, BLOCK_N)):
-                buf = i % 2
-                # tile i + 2's entries, and tile i + 1's words from the entries loaded a tile ago
-                n = start + (i + 2) * BLOCK_N
-                f_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                    BLOCK_N)  # fmt: skip
-                f_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE,
-                                     ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-                n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, n - BLOCK_N, end,
-                                                stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                                BLOCK_N, D, D_ROPE, lat_l, rope_l)  # fmt: skip
-                mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products done
-                k_lat_w = k_lat_w_all.index(buf)
-                k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-                k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-                k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-                k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-                k_rope_w_all.index(buf).store(_widen(kr))
-                fence_async_shared()
-                mbarrier.arrive(full.index(buf), count=1)
-                k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
-                e_lat, e_rope = f_lat, f_rope
-        else:
-            # two tiles ahead in the same registers: each quarter of tile i, once stored, makes
-            # room for that quarter of tile i + 2 (tile i + 1's words are in flight meanwhile)
-            WQ: gl.constexpr = D // 16
-            n0, n1, n2, n3, nr = _load_tile(KV32, e_lat, e_rope, start + BLOCK_N, end,
-                                            stride_kv_word, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
-                                            D, D_ROPE, lat_l, rope_l)  # fmt: skip
-            n = start + 2 * BLOCK_N
-            e_lat = _tile_entry(indices, row, n, end, lat_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                BLOCK_N)  # fmt: skip
-            e_rope = _tile_entry(indices, row, n, end, rope_rows, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                 BLOCK_N)  # fmt: skip
-            for i in range(gl.cdiv(end - start, BLOCK_N)):
-                buf = i % 2
-                n = start + (i + 2) * BLOCK_N
-                f_lat = _tile_entry(indices, row, n + BLOCK_N, end, lat_rows, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-                f_rope = _tile_entry(indices, row, n + BLOCK_N, end, rope_rows, PAGE_SIZE,
-                                     ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-                lat, lat_mask = _tile_rows(KV32, e_lat, n, end, stride_kv_word, lat_l,
-                                           PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-                rope, rope_mask = _tile_rows(KV32, e_rope, n, end, stride_kv_word, rope_l,
-                                             PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-                mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products done
-                k_lat_w = k_lat_w_all.index(buf)
-                k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
-                k0 = _load_words(lat, lat_mask, 0, WQ, lat_l)
-                k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
-                k1 = _load_words(lat, lat_mask, WQ, WQ, lat_l)
-                k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
-                k2 = _load_words(lat, lat_mask, 2 * WQ, WQ, lat_l)
-                k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
-                k3 = _load_words(lat, lat_mask, 3 * WQ, WQ, lat_l)
-                k_rope_w_all.index(buf).store(_widen(kr))
-                kr = _load_words(rope, rope_mask, D // 4, D_ROPE // 4, rope_l)
-                fence_async_shared()
-                mbarrier.arrive(full.index(buf), count=1)
-                k0, k1, k2, k3, kr, n0, n1, n2, n3, nr = n0, n1, n2, n3, nr, k0, k1, k2, k3, kr
-                e_lat, e_rope = f_lat, f_rope
+        k0, k1, k2, k3, kr = _load_tile(KV32, entry, start, end, stride_kv_word, PAGE_SIZE,
+                                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, words_l)
+        entry = _tile_entry(indices, row, start + BLOCK_N, end, rows_l, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        for i in range(gl.cdiv(end - start, BLOCK_N)):
+            buf = i % 2
+            # tile i + 2's entries, and tile i + 1's words from the entries loaded a tile ago
+            n = start + (i + 2) * BLOCK_N
+            next_entry = _tile_entry(indices, row, n, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                     BLOCK_N)  # fmt: skip
+            n0, n1, n2, n3, nr = _load_tile(KV32, entry, n - BLOCK_N, end, stride_kv_word,
+                                            PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
+                                            words_l)  # fmt: skip
+            mbarrier.wait(empty.index(buf), (i // 2 & 1) ^ 1)  # tile i - 2's products done
+            k_lat_w = k_lat_w_all.index(buf)
+            k_lat_w.slice(0, WQ2, dim=1).store(_widen(k0))
+            k_lat_w.slice(WQ2, WQ2, dim=1).store(_widen(k1))
+            k_lat_w.slice(2 * WQ2, WQ2, dim=1).store(_widen(k2))
+            k_lat_w.slice(3 * WQ2, WQ2, dim=1).store(_widen(k3))
+            k_rope_w_all.index(buf).store(_widen(kr))
+            fence_async_shared()
+            mbarrier.arrive(full.index(buf), count=1)
+            k0, k1, k2, k3, kr = n0, n1, n2, n3, nr
+            entry = next_entry
 
 
 @gluon.jit
@@ -375,12 +314,10 @@ def mla_fp8_wgmma_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
-    DEPTH: gl.constexpr = 1,
 ):
-    """Stage 1: the producer warpgroup loads and widens tiles into two buffers (``DEPTH``: how
-    many tiles ahead of the one it widens it loads), the consumer warpgroup (the kernel's 4
-    warps) runs the products and the softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or
-    ``CONSUMER_ONLY`` runs that side's work alone."""
+    """Stage 1: the producer warpgroup loads and widens tiles into two buffers, the consumer
+    warpgroup (the kernel's 4 warps) runs the products and the softmax. ``ONLY``, for
+    measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -442,7 +379,7 @@ def mla_fp8_wgmma_kernel(
                          PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY)),
             (_producer, (KV32, indices, row, start, end, stride_kv_slot // 4, k_lat_w_all,
                          k_rope_w_all, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                         D_ROPE, ONLY, DEPTH)),
+                         D_ROPE, ONLY)),
         ],
         [4],
         [240],  # the producer's registers a thread: two tiles of words and their widening

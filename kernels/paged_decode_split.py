@@ -54,8 +54,6 @@ class DecodeConfig:
     # warpgroup MMA (mla_decode_wgmma.py); under Triton's interpreter and off Hopper,
     # MLA_FP8_TRITON runs instead
     wgmma: bool = False
-    # how many tiles ahead of the one it widens the Gluon kernel's producer loads
-    producer_depth: int = 1
     # for measuring the Gluon kernel: 1 runs the producer's work alone, 2 the consumer's (the
     # other side only hands buffers over; the output is meaningless)
     only: int = 0
@@ -875,7 +873,7 @@ def paged_decode(
         mla_fp8_wgmma_kernel[(programs, splits)](
             KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            ONLY=cfg.only, DEPTH=cfg.producer_depth,
+            ONLY=cfg.only,
             **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
         )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:

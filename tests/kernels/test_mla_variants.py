@@ -7,8 +7,6 @@ its place, in test_paged_decode.py).
 e4m3 casts need ``gpu_like_interpreter`` on the CPU (the interpreter's own cast drops the carry
 into the exponent), so these live in their own module."""
 
-import dataclasses
-
 import pytest
 from tessera.kernels.paged_decode_split import MLA_FP8_WGMMA, DecodeConfig
 from test_paged_decode import run_mla
@@ -38,13 +36,10 @@ def test_mla_variants_match_reference(kv_dtype, config):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
-@pytest.mark.parametrize("depth", [1, 2])
-def test_wgmma_kernel_matches_reference(page_size, balanced, heads, depth):
+def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
-    heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots;
-    the producer one and two tiles ahead."""
-    config = dataclasses.replace(MLA_FP8_WGMMA, producer_depth=depth)
-    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=config,
+    heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots."""
+    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_FP8_WGMMA,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
 
