@@ -409,8 +409,10 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the Triton FP8 kernel the Gluon default replaced on Hopper (still what runs elsewhere)
+    # the two FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS):
+    # the Triton one (also what runs off Hopper) and the Gluon one, each timed everywhere
     "triton": ("fp8", MLA_FP8_TRITON),
+    "wgmma": ("fp8", MLA_FP8_WGMMA),
     # the Gluon kernel with splits planned for two programs an SM (one fits): shorter splits,
     # a second wave; the evidence for MLA_FP8_WGMMA.balanced_waves (faster on the mixes,
     # slower on equal lengths)
@@ -471,8 +473,8 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add) -> None:
     for heads, batch, ctx, mix, named in mla_peer_grid(quick):
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
-        if not named:  # the Triton FP8 kernel beside the default everywhere, the rest not
-            table = {k: v for k, v in table.items() if k == "triton"}
+        if not named:  # both FP8 kernels beside the default everywhere, the rest not
+            table = {k: v for k, v in table.items() if k in ("triton", "wgmma")}
         try:
             row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,
                             lens=lens, variants=table)  # fmt: skip
