@@ -70,10 +70,11 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip
-# From this many tokens in a batch the Gluon kernel (one program an SM) is 1.03-1.44x the
-# Triton one; below, too few tiles: 0.89-0.98x at one request of 1k-4k and 8 of 1k, 1.05x at
-# one of 8k (bench/results/fp8_kv_flashmla.json, which times both on every shape).
-WGMMA_MIN_TOKENS = 16384
+# From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
+# Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
+# 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
+# request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
+WGMMA_MIN_TOKENS = 4096
 
 # Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
 # programs (0.63-0.76x at 1-8 requests of 1k-4k); from it on it is 1.00-1.14x
@@ -818,7 +819,12 @@ def paged_decode(
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(table.lengths().max()) if batch else 0  # a host sync
-    tokens = total_tokens if total_tokens is not None else batch * max_seq_len
+    # the batch's tokens, for the kernel choice: exact when given, else bounded both by the
+    # longest request and by what the table addresses (SGLang's adapter passes the table's
+    # length as max_seq_len, so batch * max_seq_len alone overcounts by the batch size)
+    tokens = total_tokens
+    if tokens is None:
+        tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if cfg.wgmma and (interpreted or not is_hopper(q.device)):

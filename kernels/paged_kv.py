@@ -71,6 +71,13 @@ class PageTable:
     def batch_size(self) -> int:
         return self.seq_lens.numel()
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens the table's entries address: a bound on the batch's total length
+        known on the host (no device sync), e.g. for SGLang's tables, whose entries are the
+        requests' token slots back to back."""
+        return self.indices.numel() * self.page_size // self.entries_per_page
+
     def lengths(self) -> torch.Tensor:
         """Each request's token count (a subtraction when ``seq_lens`` holds ends)."""
         if self.seq_lens_are_ends:

@@ -28,6 +28,7 @@ from tessera.kernels.paged_decode_fp8 import (
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
+    WGMMA_MIN_TOKENS,
     DecodeConfig,
     pick_config,
     plan_balanced_splits,
@@ -143,6 +144,17 @@ def test_lengths_read_from_sglang_indptr_match_explicit_lengths():
     assert_close(outs[1], paged_decode_bf16_ref(q, k, v, from_indptr, dim**-0.5), REL_L2["bf16"])
 
 
+def test_a_table_bounds_its_batch_tokens_without_a_sync():
+    """``max_tokens`` (the kernel choice's bound when the total is not given) covers the
+    batch's total in both forms, and for SGLang's token slots is that total."""
+    lens = [37, 1, 70]
+    for sglang_form in (False, True):
+        table, _ = random_table(lens, 16, sglang_form=sglang_form)
+        assert sum(lens) <= table.max_tokens <= sum(-(-n // 16) * 16 for n in lens)
+    slots = PageTable.from_sglang_indptr(table.indptr, table.indices, len(lens), 16)
+    assert slots.max_tokens == table.indices.numel() == sum(lens)
+
+
 def test_lengths_as_ends_need_token_slots():
     table, _ = random_table([5, 9], 4, sglang_form=False)
     with pytest.raises(ValueError, match="seq_lens_are_ends needs token slots"):
@@ -229,8 +241,8 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert fp8 == MLA_FP8_WGMMA  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
     # too few tiles for one program an SM: the Triton kernel
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=8 * 1024) == MLA_FP8_TRITON
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=16 * 1024) == MLA_FP8_WGMMA
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_WGMMA
     assert pick_config(512, 128, mla=True).block_h == 64
     # 64+ heads: BF16 in the transposed kernel once the batch is big enough, FP8 not
     assert pick_config(512, 64, mla=True, tokens=64 * 4096).tokens_as_m
