@@ -4,9 +4,10 @@ The fastest measured one for the phase's attention kind, KV dtype and query head
 The table rests on docs/sglang-kernels.md ("Against FlashMLA"): tessera's MLA decode against
 FlashMLA kernel to kernel on the H200 (bench/results/fp8_kv_flashmla.json), batch 1-256,
 context 1k-32k and the decode slice's mixed lengths. FlashMLA was faster at every head count
-and both KV dtypes; ours won only single requests (16 and 64 heads, BF16), too few to route
-a phase by. Both measured kernels beat SGLang's Triton MLA decode; SGLang's Hopper default for
-MLA (FA3) was not measured, so where nothing was measured SGLang keeps its own choice.
+and both KV dtypes; ours won only single requests (16 and 64 heads, BF16) and 32 requests of
+1k (8 heads, FP8), too few to route a phase by. Both measured kernels beat SGLang's Triton MLA
+decode; SGLang's Hopper default for MLA (FA3) was not measured, so where nothing was measured
+SGLang keeps its own choice.
 """
 
 from __future__ import annotations
