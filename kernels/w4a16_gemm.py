@@ -321,6 +321,17 @@ def _take_sums(sums, last):
     return tl.where(last, total.to(tl.float32, bitcast=True), 0.0)
 
 
+@triton.jit
+def _dependent_launch(PDL: tl.constexpr):
+    """Programmatic dependent launch (``GemmConfig.pdl``): 1 waits, before anything is read or
+    written, for the kernel before to finish, so this one is launched while that one ends; 2
+    also lets the kernel after launch now."""
+    if PDL >= 1:
+        tl.extra.cuda.gdc_wait()
+    if PDL >= 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
@@ -331,9 +342,11 @@ def _w4a16_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
     splits (``SPLIT``: ``split_k > 1``), stored by :func:`_store_tile`."""
+    _dependent_launch(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
     # first read its weights from L2
@@ -555,11 +568,12 @@ def _w4a16_gemv_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True,
+    COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
     tile are neighbouring programs, so all but the first read it from L2."""
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -612,6 +626,9 @@ class GemmConfig:
     # K splits meet in the self-resetting workspace, one launch (False: fp32 atomics into a
     # zeroed output, then a cast: three launches)
     counted: bool = True
+    # programmatic dependent launch (Hopper on): 0 off; 1 launched while the kernel before ends
+    # (waiting for its results before reading); 2 also letting the kernel after launch at once
+    pdl: int = 0
 
 
 _TUNED: dict[tuple, object] = {}
@@ -766,6 +783,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
         "num_warps": cfg.num_warps,
     }  # fmt: skip
+    if cfg.pdl and not interpreted():  # the interpreter has no grid dependency control
+        common |= {"PDL": cfg.pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
             *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common

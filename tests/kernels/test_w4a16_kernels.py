@@ -376,6 +376,23 @@ def test_gemm_one_launch_tiles_real_shapes(m, n, k):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("pdl", [1, 2])
+def test_dependent_launches_match_plain_ones(pdl):
+    """Programmatic dependent launch (``GemmConfig.pdl``) on every one-token candidate, each
+    launched right after the one before, the split ones too: the same outputs as plain
+    launches."""
+    n, k = 7168, 2048
+    w = make_weight((n, k), 32, True, seed=7)
+    x = make_x(1, k, seed=7)
+    cfgs = _candidates(1, n, k)
+    plain = [w4a16_matmul(x, w, cfg) for cfg in cfgs]
+    chained = [w4a16_matmul(x, w, dataclasses.replace(cfg, pdl=pdl)) for cfg in cfgs]
+    for cfg, a, b in zip(cfgs, plain, chained, strict=True):
+        assert rel_l2(b, a) <= 1e-6, cfg
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("m", [1, 16, 64, 512])
 @pytest.mark.parametrize("n,k,group", [(16384, 7168, 128), (7168, 2048, 32)])
 def test_gemm_real_shapes_tuned(m, n, k, group):
