@@ -1,7 +1,7 @@
 """Programmatic dependent launch for the INT4 GEMM at one token: the decode slice's seven dense
 linears a layer (Kimi K2 shapes, group 32), launched back to back in a CUDA graph as a decoding
-step runs them, each GEMM as the tuner picks it, with ``GemmConfig.pdl`` 0, 1 and 2 side by
-side in one run (four weight sets, 180 MB, cycled so the weights come from HBM).
+step runs them, each GEMM's tile as the tuner picks it, with ``GemmConfig.pdl`` 0, 1 and 2
+side by side in one run (four weight sets, 180 MB, cycled so the weights come from HBM).
 
     python bench/w4a16_pdl.py [--out DIR] [--commit SHA]
 

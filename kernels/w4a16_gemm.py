@@ -28,6 +28,7 @@ measured once per (M bucket, N, K, group, zeros, device) and cached (:func:`w4a1
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -627,8 +628,10 @@ class GemmConfig:
     # zeroed output, then a cast: three launches)
     counted: bool = True
     # programmatic dependent launch (Hopper on): 0 off; 1 launched while the kernel before ends
-    # (waiting for its results before reading); 2 also letting the kernel after launch at once
-    pdl: int = 0
+    # (waiting for its results before reading); 2 also letting the kernel after launch at once.
+    # The decode slice's seven dense linears at one token: 1 took 0.94x the time of 0, 2 1.15x
+    # (bench/results/w4a16_pdl.json): 1 by default
+    pdl: int = 1
 
 
 _TUNED: dict[tuple, object] = {}
@@ -783,7 +786,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
         "num_warps": cfg.num_warps,
     }  # fmt: skip
-    if cfg.pdl and not interpreted():  # the interpreter has no grid dependency control
+    if cfg.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
         common |= {"PDL": cfg.pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
@@ -853,6 +856,12 @@ def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
             raise RuntimeError(f"no candidate config compiled for {key}: {candidates}")
         _TUNED[key] = min(times, key=times.__getitem__)
     return _TUNED[key]
+
+
+@functools.cache
+def _dependent_launches(device_index: int) -> bool:
+    """Whether the GPU has grid dependency control (sm_90 on; not the interpreter's CPU)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def interpreted() -> bool:
