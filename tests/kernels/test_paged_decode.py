@@ -32,6 +32,7 @@ from tessera.kernels.paged_decode_split import (
     DecodeConfig,
     pick_config,
     plan_balanced_splits,
+    plan_balanced_waves,
     plan_splits,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -232,6 +233,21 @@ def test_balanced_plan_gives_every_split_the_same_tokens():
     assert plan_balanced_splits(1 << 30, 1 << 20, 32, 1) == (1, 1 << 20)
     splits, split_len = plan_balanced_splits(1, 1 << 20, 32, 396)
     assert splits == 64 and split_len * 64 >= 1 << 20
+
+
+def test_two_wave_plans_only_where_one_wave_overflows():
+    """The 1k-8k mix (lengths 1024, 2048, 4096, 8192 in turn) on 132 SMs: 16 requests fit one
+    wave (120 programs); 64 and 256 overflow it and get the two-wave plan."""
+    mix = (1024, 2048, 4096, 8192)
+    for requests, waves in ((16, 1), (64, 2), (256, 2)):
+        lens = [mix[i % 4] for i in range(requests)]
+        plan = plan_balanced_waves(sum(lens), 8192, 64, 132, requests, 2)
+        assert plan == plan_balanced_splits(sum(lens), 8192, 64, 132 * waves), requests
+        programs = sum(-(-n // plan[1]) for n in lens)
+        assert (programs <= 132) == (waves == 1), (requests, programs)
+    assert plan_balanced_waves(10**6, 8192, 64, 132, 256, 1) == plan_balanced_splits(
+        10**6, 8192, 64, 132
+    )
 
 
 def test_mla_defaults_follow_the_dtype_and_head_count():
