@@ -413,6 +413,9 @@ MLA_PEER_VARIANTS = {
     # the Triton one (also what runs off Hopper) and the Gluon one, each timed everywhere
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
+    # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
+    # the default's one or two (plan_balanced_waves)
+    "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),
     # the Gluon kernel with splits planned for two programs an SM (one fits): shorter splits,
     # a second wave; the evidence for MLA_FP8_WGMMA.balanced_waves (faster on the mixes,
     # slower on equal lengths)
@@ -459,7 +462,7 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
             for ctx in (1024, 4096, 16384):
                 grid.append((heads, batch, ctx, None, False))
     for heads in (8, 16, 64, 128):
-        for batch in (16, 64, 256) if heads <= 16 else (16, 64):
+        for batch in (16, 32, 64, 256) if heads <= 16 else (16, 64):
             grid.append((heads, batch, 0, mix, False))
     seen, unique = set(), []
     for entry in grid:
@@ -473,8 +476,10 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add) -> None:
     for heads, batch, ctx, mix, named in mla_peer_grid(quick):
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
-        if not named:  # both FP8 kernels beside the default everywhere, the rest not
-            table = {k: v for k, v in table.items() if k in ("triton", "wgmma")}
+        if not named:  # both FP8 kernels beside the default everywhere (and the one-wave plan
+            # on the mixes), the rest not
+            keep = ("triton", "wgmma", "wgmma_one_wave") if mix else ("triton", "wgmma")
+            table = {k: v for k, v in table.items() if k in keep}
         try:
             row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,
                             lens=lens, variants=table)  # fmt: skip
