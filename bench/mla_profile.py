@@ -1,6 +1,7 @@
-"""One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs, and FP8 in the
-Triton kernel that runs off Hopper) and FlashMLA's BF16 and FP8 kernels, each launched twice on
-the same pages (the first launch compiles and warms up).
+"""One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs, FP8 in the
+Triton kernel that runs off Hopper, and each side of the Gluon FP8 kernel alone) and FlashMLA's
+BF16 and FP8 kernels, each launched twice on the same pages (the first launch compiles and
+warms up).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats -k regex:mla --csv python bench/mla_profile.py [HEADS BATCH CTX]

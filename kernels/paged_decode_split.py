@@ -66,7 +66,8 @@ class DecodeConfig:
 # (Triton's interpreter, GPUs other than Hopper). The latent in quarters, 32 tokens a tile, 186
 # registers capped at 168 (3 programs per SM).
 MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_registers=168)
-# Balanced splits in two waves of one program an SM: over the 1k-8k mixes 1.04-1.20x one wave
+# Balanced splits in two waves of one program an SM where one wave's plan overflows
+# (plan_balanced_waves): over the 1k-8k mixes of 64 and 256 requests 1.04-1.20x one wave
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip

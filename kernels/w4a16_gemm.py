@@ -860,7 +860,7 @@ def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
 
 @functools.cache
 def _dependent_launches(device_index: int) -> bool:
-    """Whether the GPU has grid dependency control (sm_90 on; not the interpreter's CPU)."""
+    """Whether the GPU has grid dependency control (sm_90 on)."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
