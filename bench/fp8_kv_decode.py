@@ -48,7 +48,12 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8,
     paged_decode_mla_fp8_ref,
 )
-from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA, DecodeConfig
+from tessera.kernels.paged_decode_split import (
+    MLA_FP8_TRITON,
+    MLA_FP8_WGMMA,
+    MLA_HEADS_M,
+    DecodeConfig,
+)
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
 
@@ -262,7 +267,9 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
     row["err_ours_bf16"] = rel_l2(bf16_out[:n_ref], ref)
     row["err_ours_fp8"] = rel_l2(fp8_out[:n_ref], ref)
     row["err_ours_fp8_vs_dequant"] = rel_l2(fp8_out[:n_ref], ref_tok)
-    for name, (dtype, vcfg) in (variants or {}).items():
+    runs = [(name, dt, vcfg) for name, (dtype, vcfg) in (variants or {}).items()
+            for dt in (("bf16", "fp8") if dtype == "both" else (dtype,))]  # fmt: skip
+    for name, dtype, vcfg in runs:
         call = ours_fp8 if dtype == "fp8" else ours_bf16
         try:
             timed = functools.partial(call, c={"config": vcfg})
@@ -426,6 +433,8 @@ MLA_PEER_VARIANTS = {
     "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
+    # the Gluon kernel with the heads as the MMA's M (mla_decode_heads.py), both dtypes
+    "heads_m": ("both", MLA_HEADS_M),
     "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),
     "h64_qk2": ("fp8", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True, qk_fp8_parts=2)),
 }
@@ -472,13 +481,16 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
     return unique
 
 
-def mla_peers(copy_bw, flashmla, sglang, quick, add) -> None:
+def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
     for heads, batch, ctx, mix, named in mla_peer_grid(quick):
+        if heads < min_heads:
+            continue
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
         if not named:  # both FP8 kernels beside the default everywhere (and the one-wave plan
             # on the mixes), the rest not
-            keep = ("triton", "wgmma", "wgmma_one_wave") if mix else ("triton", "wgmma")
+            keep = ("triton", "wgmma", "wgmma_one_wave", "heads_m") if mix else (
+                "triton", "wgmma", "heads_m")  # fmt: skip
             table = {k: v for k, v in table.items() if k in keep}
         try:
             row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,
@@ -639,6 +651,8 @@ def main() -> None:
         action="store_true",
         help="time FlashMLA (the sgl-flash-mla wheel's legacy SM90 dense kernels)",
     )
+    ap.add_argument("--min-heads", type=int, default=0,
+                    help="--mla-peers: only the shapes of at least this many heads")  # fmt: skip
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -672,6 +686,8 @@ def main() -> None:
 
     rows = []
     name = "fp8_kv_flashmla" if args.mla_peers else "fp8_kv_decode"
+    if args.mla_peers and args.min_heads:
+        name += f"_from{args.min_heads}heads"
     out_file = args.out / (f"{name}_quick.json" if args.quick else f"{name}.json")
 
     def add(row, line):  # saved after every row: a run cut short keeps what it measured
@@ -680,7 +696,7 @@ def main() -> None:
         print(line(row), flush=True)
 
     if args.mla_peers:
-        mla_peers(copy_bw, flashmla, sglang, args.quick, add)
+        mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads)
         print("\n".join(_peer_line(r) for r in rows))
         return
     mla_grid = [(64, 8192, 16), (64, 4096, 64)]
@@ -732,6 +748,8 @@ def _command_line(args) -> str:
     words = ["python", "bench/fp8_kv_decode.py"]
     flags = ("quick", "tune", "variants", "mla_peers", "flashmla")
     words += [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
+    if args.min_heads:
+        words += ["--min-heads", str(args.min_heads)]
     if args.sglang_kernel:
         path = args.sglang_kernel.resolve()
         shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name

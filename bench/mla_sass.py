@@ -11,10 +11,10 @@ shapes (16-byte aligned pointers, strides divisible by 16), and prints registers
 ``--balanced``: the kernel compiled for balanced splits (a caller that passes the batch's total
 length, as the decode slice does); without it, equal splits (``bench/mla_profile.py``'s runs).
 Run it with the Triton version of the GPU image: the register allocation differs between them.
-At up to 16 heads it also compiles the FP8 default on Hopper, the warp-specialized Gluon kernel
-(``mla_decode_wgmma.py``, written for the GPU image's Triton 3.6), and prints its registers,
-stack, shared memory and spill instructions (its two partitions share one loop-free listing, so
-no loop mix).
+It also compiles the Gluon kernels (written for the GPU image's Triton 3.6): at up to 16 heads
+the warp-specialized FP8 kernel (``mla_decode_wgmma.py``), from 64 heads the heads-as-M kernel
+(``mla_decode_heads.py``, BF16 and FP8), and prints their registers, stack, shared memory and
+spill instructions (no loop mix).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from tessera.kernels.mla_decode_heads import mla_heads_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
@@ -69,23 +70,32 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
 
 
-def gluon_report(balanced: bool, page_size: int = 64, entries_per_page: int = 1) -> dict:
-    """The Gluon FP8 kernel for 16 heads, built for sm_90: its shared memory in bytes, registers
-    and stack (``resources``), each partition's register limit (``setmaxnreg``), and whether its
-    SASS has wgmma and how many spill instructions.
-    ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
-    fn = mla_fp8_wgmma_kernel
-    types = {"Q": "*bf16", "KV": "*fp8e4nv", "KV_SCALE": "*fp32", "seq_lens": "*i32",
-             "indptr": "*i32", "indices": "*i32", "part_out": "*fp32", "part_lse": "*fp32",
-             "sm_scale_log2e": "fp32"}  # fmt: skip
-    signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
+def gluon_report(
+    balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
+    fp8: bool = True,
+) -> dict:
+    """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
+    (``mla_decode_wgmma.py``), from 64 heads the heads-as-M kernel (``mla_decode_heads.py``,
+    BF16 or FP8). Its shared memory in bytes, registers and stack (``resources``), each
+    partition's register limit (``setmaxnreg``), and whether its SASS has wgmma and how many
+    spill instructions. ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
-                  "D_ROPE": 64, "BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}  # fmt: skip
+                  "D_ROPE": 64}  # fmt: skip
+    if heads >= 64:
+        fn, num_warps = mla_heads_kernel, 8
+        constexprs["FP8"] = fp8
+    else:
+        fn, num_warps = mla_fp8_wgmma_kernel, 4
+        constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
+    types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
+             "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
+             "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip
+    signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
     signature |= dict.fromkeys(constexprs, "constexpr")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mla_gluon.cubin"
         path.write_bytes(kernel.asm["cubin"])
@@ -113,9 +123,9 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
-            if h <= 16:
-                r = gluon_report(balanced)
-                print(f"{h} heads FP8, Gluon (the Hopper default): "
+            for fp8 in (True,) if h <= 16 else (False, True):
+                r = gluon_report(balanced, heads=h, fp8=fp8)
+                print(f"{h} heads {'FP8' if fp8 else 'BF16'}, Gluon: "
                       f"{r['resources']}; setmaxnreg {r['setmaxnreg']}; shared {r['shared']} "
                       f"bytes; {r['spills']} spill loads/stores (STL/LDL)", flush=True)
 

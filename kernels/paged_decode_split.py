@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .decode_split_range import split_range as _split_range
+from .mla_decode_heads import mla_heads_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
 
@@ -60,6 +61,10 @@ class DecodeConfig:
     # the balanced plan (lengths known) fills this many waves of programs_per_sm where one
     # wave's plan overflows it (plan_balanced_waves): shorter splits, less left for the last
     balanced_waves: int = 1
+    # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
+    # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
+    # 64-heads kernel (MLA_HEADS_TRITON) runs instead
+    heads_m: bool = False
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -71,6 +76,10 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip
+# MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
+# Triton kernel that runs in its place under the interpreter and off Hopper.
+MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
+MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
 # From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
 # Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
@@ -108,7 +117,7 @@ def pick_config(
         if group >= 64 and not fp8 and big:
             return DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)
         if group >= 64:
-            return DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
+            return MLA_HEADS_TRITON
         if fp8:
             wide = tokens is None or tokens >= WGMMA_MIN_TOKENS
             return MLA_FP8_WGMMA if wide else MLA_FP8_TRITON
@@ -845,6 +854,8 @@ def paged_decode(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if cfg.wgmma and (interpreted or not is_hopper(q.device)):
         cfg = MLA_FP8_TRITON
+    if cfg.heads_m and (interpreted or not is_hopper(q.device)):
+        cfg = MLA_HEADS_TRITON
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
@@ -899,6 +910,20 @@ def paged_decode(
             stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
             ONLY=cfg.only,
             **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
+        )  # fmt: skip
+    elif v_from_k and cfg.heads_m:
+        if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
+            raise ValueError(
+                "the heads-as-M MLA kernel takes 512 latent + 64 rope dims with 64-token tiles "
+                f"of 64 heads and 8 warps, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
+                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
+            )
+        mla_heads_kernel[(programs, splits)](
+            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
+            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
+            num_warps=cfg.num_warps,
+            **{k: v for k, v in shared.items()
+               if k not in ("INTERPRETED", "num_stages", "num_warps", "BLOCK_H", "BLOCK_N")},
         )  # fmt: skip
     elif v_from_k and cfg.latent_quarters and dim >= 64:
         kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel

@@ -1,0 +1,269 @@
+"""MLA decode for 64 query heads a program (attention data parallelism) on Hopper's warpgroup
+MMA, in Gluon: the heads are the MMA's M, so every KV tile is read once for 64 heads.
+
+Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2), the same math as the
+Triton kernels, for BF16 pages and for FP8 (e4m3, per-token scales) pages. One program per
+(request, block of 64 heads, split), 8 warps in two warpgroups, 64 tokens a tile:
+
+- the scores ``q @ K^T`` ([64 heads, 64 tokens], K = 512 + 64): each warpgroup computes 32 of
+  the tile's tokens, reading the query (in shared memory for the whole split) and the tile;
+- the online softmax: the heads' maxima cross both warpgroups (one reduction a tile), the sums
+  stay per thread until the end;
+- the output ``p @ V`` ([64 heads, 512]): p goes through shared memory, since each warpgroup
+  needs all 64 tokens' probabilities for its 256 of the latent's 512 dims (V is the tile's
+  first 512 columns, read through the MMA's descriptor with no copy), 128 fp32 accumulators a
+  thread.
+
+Tiles are double-buffered: the next tile's bytes are in flight through this tile's products.
+BF16 tiles go straight to shared memory (``cp.async``); FP8 tiles are loaded into registers a
+tile ahead as 32-bit words, widened to fp16 (one ``cvt`` per two values) and stored once. The
+per-token scales go to the fp32 scores and to the probabilities (relative to the tile's
+largest, with the accumulator re-based on it), never to the tile. Shared memory: the query and
+two tiles (72 KB each) and p: one program an SM. Needs sm_90 and a compiled run (Gluon has no
+interpreter); the launcher runs the Triton kernel under the interpreter and off Hopper.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mla_decode_wgmma import (
+    _as_words,
+    _max_pair,
+    _split_range,
+    _tile_entry,
+    _tile_slots,
+    _widen,
+)
+
+# Gluon's API moves between releases: Triton 3.9 renamed async_copy_global_to_shared and
+# thread_barrier (3.6, the GPU image's) to async_load and barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup MMA's M
+BLOCK_N = gl.constexpr(64)  # tokens a tile
+
+
+@gluon.jit
+def _copy_tile(
+    KV, buf_lat, buf_rope, indices, row, n0, end, stride_kv_slot, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """BF16: the tile's rows straight into shared memory (``cp.async``, one group), 0 past
+    ``end``; 16 bytes a thread and copy, a warp's 8 lanes a 128-byte row piece."""
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, tile_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    rows = KV + slot[:, None] * stride_kv_slot
+    mask = mask[:, None]
+    _async_load(buf_lat, rows + gl.arange(0, D, layout=cols_l)[None, :], mask=mask)
+    _async_load(buf_rope, rows + D + gl.arange(0, D_ROPE, layout=cols_l)[None, :], mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load_words(
+    KV32, indices, row, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """FP8: the tile's e4m3 bytes as 32-bit words (four values each), 0 past ``end``: the
+    latent's two halves ``[BLOCK_N, D / 8]`` (widened one at a time) and the rope
+    ``[BLOCK_N, D_ROPE / 4]``. 16 bytes a thread and load, 8
+    rows a warp (conflict-free 16-byte shared stores once widened)."""
+    words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    rows = KV32 + slot[:, None] * stride_kv_word
+    mask = mask[:, None]
+    cols = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))[None, :]
+    lat0 = gl.load(rows + cols, mask=mask, other=0)
+    lat1 = gl.load(rows + D // 8 + cols, mask=mask, other=0)
+    rope = gl.load(
+        rows + D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, words_l))[None, :],
+        mask=mask, other=0,
+    )  # fmt: skip
+    return lat0, lat1, rope
+
+
+@gluon.jit
+def _store_words(words, buf_lat_w, buf_rope_w, D: gl.constexpr):
+    """FP8: the tile's words (``_load_words``) widened to fp16 into a buffer's word view."""
+    lat0, lat1, rope = words
+    buf_lat_w.slice(0, D // 4, dim=1).store(_widen(lat0))
+    buf_lat_w.slice(D // 4, D // 4, dim=1).store(_widen(lat1))
+    buf_rope_w.store(_widen(rope))
+
+
+@gluon.jit
+def mla_heads_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BALANCED: gl.constexpr,
+    FP8: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+):
+    """Stage 1 over 64 heads a program, 8 warps; ``FP8``: e4m3 pages with per-token scales."""
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    gl.static_assert(D == 512, "the output's two halves are 256 dims, one MMA's N")
+    dt: gl.constexpr = gl.float16 if FP8 else gl.bfloat16
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16]
+    )
+    head_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    tok_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+    head_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+    row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
+                                   LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
+
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_rows = Q + b * stride_qb + hq[:, None] * stride_qh
+    q_mask = (hq < num_heads)[:, None]
+    q_lat = gl.load(q_rows + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
+                    mask=q_mask, other=0.0)  # fmt: skip
+    q_rope = gl.load(q_rows + D + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_l))[None, :],
+                     mask=q_mask, other=0.0)  # fmt: skip
+    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dt)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl, q_lat.to(dt))
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl, q_rope.to(dt))
+    k_lat_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], lat_sl)
+    k_rope_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], rope_sl)
+    p_s = gl.allocate_shared_memory(
+        dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dt)
+    )
+
+    tiles = gl.cdiv(end - start, BLOCK_N)
+    if FP8:
+        KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
+        k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
+        k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
+        words = _load_words(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+        _store_words(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
+        words = _load_words(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
+                            PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+    else:
+        _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
+                   stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
+    l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s)  # the softmax's sums, unsummed
+    acc = gl.zeros([BLOCK_H, D], gl.float32, mma_o)
+    # FP8: acc is the output over the last tile's largest V scale
+    acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_s)
+    n0 = start
+    for i in range(tiles):
+        buf = i % 2
+        if not FP8:
+            async_copy.wait_group(0)  # this thread's copies of tile i
+        fence_async_shared()
+        # every thread's part of tile i is in, and both warpgroups' products of tile i - 1
+        # are done (so its buffer and p may be written)
+        _barrier()
+        if not FP8:
+            _copy_tile(KV, k_lat_all.index(1 - buf), k_rope_all.index(1 - buf), indices, row,
+                       n0 + BLOCK_N, end, stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D,
+                       D_ROPE)  # fmt: skip
+        k_lat_s = k_lat_all.index(buf)
+        s = warpgroup_mma(q_lat_s, k_lat_s.permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s), use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(q_rope_s, k_rope_all.index(buf).permute((1, 0)), s, is_async=True)
+        offs = n0 + gl.arange(0, BLOCK_N, layout=tok_s)
+        mask = offs < end
+        if FP8:
+            entry = _tile_entry(indices, row, n0, end, tok_s, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                BLOCK_N)  # fmt: skip
+            slot, _ = _tile_slots(entry, n0, end, tok_s, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+            scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if FP8:
+            s = s * (scale * sm_scale_log2e)[None, :]
+        else:
+            s = s * sm_scale_log2e
+        s = gl.where(mask[None, :], s, float("-inf"))
+        if FP8:
+            # one pass across both warpgroups for both maxima (the heads' scores and the
+            # tile's V scales)
+            s_top, v_top = gl.reduce((s, gl.broadcast(scale[None, :], s)[0]), 1, _max_pair)
+        else:
+            s_top = gl.max(s, axis=1)
+        m_new = gl.maximum(m, s_top)
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_rows = l_rows * alpha[:, None] + p
+        if FP8:
+            # V scales go into p relative to the tile's largest; acc is re-based on it
+            v_top = gl.maximum(v_top, 1e-30)
+            p = p * scale[None, :] / v_top[:, None]
+            alpha = alpha * (acc_unit / v_top)
+            acc_unit = v_top
+        p_s.store(p.to(dt))
+        fence_async_shared()
+        _barrier()  # p from both warpgroups
+        acc = warpgroup_mma(p_s, k_lat_s, acc * gl.convert_layout(alpha, head_o)[:, None],
+                            is_async=True)  # fmt: skip
+        if FP8:
+            # tile i + 1 into the other buffer (free since this tile's first barrier) through
+            # this tile's output product, then tile i + 2's words in flight
+            _store_words(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf), D)
+            words = _load_words(KV32, indices, row, n0 + 2 * BLOCK_N, end, stride_kv_slot // 4,
+                                PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        m = m_new
+        n0 += BLOCK_N
+    if not FP8:
+        async_copy.wait_group(0)  # the copy issued past the last tile (all masked)
+
+    l = gl.sum(l_rows, axis=1)
+    empty = l == 0.0  # a split past the request's end
+    lse = gl.where(empty, float("-inf"), m + gl.log2(gl.where(empty, 1.0, l)))
+    scale_o = gl.convert_layout(acc_unit / gl.where(empty, 1.0, l), head_o)
+    # stored from the MMA's layout (a 128 KB layout change would need the buffers' shared memory)
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
+    part = part_out + b * stride_pb + split * stride_ps + ho[:, None] * stride_ph
+    gl.store(part + dims[None, :], acc * scale_o[:, None], mask=(ho < num_heads)[:, None])
+    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
+    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
