@@ -52,6 +52,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
+    MLA_HEADS_TRITON,
     DecodeConfig,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -432,11 +433,13 @@ MLA_PEER_VARIANTS = {
     "wgmma_producer_only": ("fp8", replace(MLA_FP8_WGMMA, only=1)),
     "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
 }
-MLA_WIDE_PEER_VARIANTS = {  # 64+ heads
-    # the Gluon kernel with the heads as the MMA's M (mla_decode_heads.py), both dtypes
-    "heads_m": ("both", MLA_HEADS_M),
-    "h64_latent_m": ("bf16", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True)),
-    "h64_qk2": ("fp8", DecodeConfig(32, 64, 8, 2, True, 1, whole_waves=True, qk_fp8_parts=2)),
+MLA_WIDE_PEER_VARIANTS = {  # 64+ heads; the default is the Gluon heads-as-M kernel
+    # the Triton 64-heads kernel: the default before the Gluon one, and what runs off Hopper
+    "triton64": ("both", MLA_HEADS_TRITON),
+    # the transposed Triton kernel, 64 heads a program: the BF16 default from 16k tokens before
+    "t64": ("bf16", DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)),
+    # the mixes: splits planned for two waves where one wave's plan overflows
+    "heads_m_2w": ("both", replace(MLA_HEADS_M, balanced_waves=2)),
 }
 
 
@@ -489,8 +492,8 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
         if not named:  # both FP8 kernels beside the default everywhere (and the one-wave plan
             # on the mixes), the rest not
-            keep = ("triton", "wgmma", "wgmma_one_wave", "heads_m") if mix else (
-                "triton", "wgmma", "heads_m")  # fmt: skip
+            keep = ("triton", "wgmma", "triton64")
+            keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:
             row = bench_mla(batch, ctx, heads, 64, sglang, copy_bw, flashmla=flashmla,

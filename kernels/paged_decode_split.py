@@ -86,12 +86,6 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
 
-# Below this many tokens in a batch the transposed BF16 kernel's 64-token tiles leave too few
-# programs (0.63-0.76x at 1-8 requests of 1k-4k); from it on it is 1.00-1.14x
-# (bench/results/fp8_kv_flashmla.json against fp8_kv_flashmla_variants.json).
-TOKENS_AS_M_MIN_TOKENS = 16384
-
-
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
 ) -> DecodeConfig:
@@ -107,17 +101,13 @@ def pick_config(
     quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs the
     warp-specialized Gluon kernel (``MLA_FP8_WGMMA``, one program per SM, 64-token tiles) from
     ``WGMMA_MIN_TOKENS`` on, ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
-    a program with 8 warps (Triton uses wgmma there), 1 program per SM, so each tile is read
-    once instead of by four 16-head programs; BF16 in the transposed kernel (64 tokens as
-    wgmma's M, the heads its N) once the batch holds ``TOKENS_AS_M_MIN_TOKENS`` (``tokens``:
-    the batch's total, when known), FP8 not (its V would be widened and transposed in
-    registers: 255 registers and spills, 1.3x slower)."""
+    a program, so each tile is read once instead of by four 16-head programs, in the Gluon
+    kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp program per SM), BF16
+    and FP8: 1.1-2.0x the Triton 64-heads kernel (``MLA_HEADS_TRITON``, which runs off Hopper)
+    on every 64/128-head shape of bench/results/fp8_kv_flashmla_from64heads.json."""
     if mla:
-        big = tokens is None or tokens >= TOKENS_AS_M_MIN_TOKENS
-        if group >= 64 and not fp8 and big:
-            return DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)
         if group >= 64:
-            return MLA_HEADS_TRITON
+            return MLA_HEADS_M
         if fp8:
             wide = tokens is None or tokens >= WGMMA_MIN_TOKENS
             return MLA_FP8_WGMMA if wide else MLA_FP8_TRITON

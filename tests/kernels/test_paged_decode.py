@@ -28,6 +28,7 @@ from tessera.kernels.paged_decode_fp8 import (
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
+    MLA_HEADS_M,
     WGMMA_MIN_TOKENS,
     DecodeConfig,
     pick_config,
@@ -261,11 +262,10 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     # too few tiles for one program an SM: the Triton kernel
     assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
     assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_WGMMA
-    assert pick_config(512, 128, mla=True).block_h == 64
-    # 64+ heads: BF16 in the transposed kernel once the batch is big enough, FP8 not
-    assert pick_config(512, 64, mla=True, tokens=64 * 4096).tokens_as_m
-    assert not pick_config(512, 64, mla=True, tokens=4096).tokens_as_m
-    assert not pick_config(512, 64, mla=True, fp8=True, tokens=64 * 4096).tokens_as_m
+    # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
+    # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
+    for heads, fp8, tokens in ((64, False, 1024), (128, True, 64 * 4096), (64, True, None)):
+        assert pick_config(512, heads, mla=True, fp8=fp8, tokens=tokens) == MLA_HEADS_M
 
 
 def test_per_tensor_scales_read_through_a_stride_0_view():
