@@ -155,6 +155,25 @@ def mla_heads_kernel(
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
 
+    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dt)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
+    k_lat_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], lat_sl)
+    k_rope_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], rope_sl)
+    p_s = gl.allocate_shared_memory(
+        dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dt)
+    )
+    # the first tile's loads go out before the query's, so their latencies overlap
+    tiles = gl.cdiv(end - start, BLOCK_N)
+    if FP8:
+        KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
+        k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
+        k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
+        words = _load_words(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+    else:
+        _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
+                   stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     q_rows = Q + b * stride_qb + hq[:, None] * stride_qh
@@ -163,29 +182,12 @@ def mla_heads_kernel(
                     mask=q_mask, other=0.0)  # fmt: skip
     q_rope = gl.load(q_rows + D + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_l))[None, :],
                      mask=q_mask, other=0.0)  # fmt: skip
-    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dt)
-    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
     q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl, q_lat.to(dt))
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl, q_rope.to(dt))
-    k_lat_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], lat_sl)
-    k_rope_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], rope_sl)
-    p_s = gl.allocate_shared_memory(
-        dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dt)
-    )
-
-    tiles = gl.cdiv(end - start, BLOCK_N)
     if FP8:
-        KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-        k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
-        k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
-        words = _load_words(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
-                            ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
         _store_words(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
         words = _load_words(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
                             PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
-    else:
-        _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
-                   stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
     l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s)  # the softmax's sums, unsummed
