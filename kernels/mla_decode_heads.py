@@ -262,10 +262,13 @@ def mla_heads_kernel(
     empty = l == 0.0  # a split past the request's end
     lse = gl.where(empty, float("-inf"), m + gl.log2(gl.where(empty, 1.0, l)))
     scale_o = gl.convert_layout(acc_unit / gl.where(empty, 1.0, l), head_o)
-    # stored from the MMA's layout (a 128 KB layout change would need the buffers' shared memory)
+    # stored from the MMA's layout (a 128 KB layout change would need the buffers' shared
+    # memory); a split past the request's end stores only its log-sum-exp, which the merge
+    # reads first (its 128 KB of zeros were as many bytes as a split's tokens in the mixes)
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
     part = part_out + b * stride_pb + split * stride_ps + ho[:, None] * stride_ph
-    gl.store(part + dims[None, :], acc * scale_o[:, None], mask=(ho < num_heads)[:, None])
+    gl.store(part + dims[None, :], acc * scale_o[:, None],
+             mask=(ho < num_heads)[:, None] & (tiles > 0))  # fmt: skip
     hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
     gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)

@@ -278,7 +278,9 @@ def _store_partial(
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
     part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
-    gl.store(part + dims[:, None], out, mask=(ho < num_heads)[None, :])
+    # a split past the request's end stores only its log-sum-exp (the merge reads that first)
+    written = (ho < num_heads) & gl.convert_layout(~empty, gl.SliceLayout(0, out_l))
+    gl.store(part + dims[:, None], out, mask=written[None, :])
     hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
     gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
 

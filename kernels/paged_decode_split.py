@@ -794,8 +794,11 @@ def _merge_kernel(
     acc = tl.zeros([DV], tl.float32)
     base = part_out + b * stride_pb + h * stride_ph
     for s in range(0, num_splits):
-        w = tl.exp2(tl.load(lse_base + s) - m)
-        acc += w * tl.load(base + s * stride_ps + offs_dv)
+        lse_s = tl.load(lse_base + s)
+        # a split past the request's end (lse -inf) weighs nothing, and the Gluon kernels
+        # leave its output unwritten
+        if lse_s > float("-inf"):
+            acc += tl.exp2(lse_s - m) * tl.load(base + s * stride_ps + offs_dv)
     result = acc / tl.where(total > 0.0, total, 1.0)  # acc is 0 when total is
     tl.store(out + b * stride_ob + h * stride_oh + offs_dv, result.to(out.dtype.element_ty))
 

@@ -379,16 +379,22 @@ def test_gemm_one_launch_tiles_real_shapes(m, n, k):
 @pytest.mark.parametrize("pdl", [1, 2])
 def test_dependent_launches_match_plain_ones(pdl):
     """Programmatic dependent launch (``GemmConfig.pdl``) on every one-token candidate, each
-    launched right after the one before, the split ones too: the same outputs as plain
-    launches."""
+    launched right after the one before, the split ones too: unsplit ones give the same bits
+    as plain launches; split ones, whose fp32 atomics add in any order (so a bf16 output may
+    round either way, launched plainly too: one such run failed a 1e-6 bound), match the
+    reference as closely as plain launches do."""
     n, k = 7168, 2048
     w = make_weight((n, k), 32, True, seed=7)
     x = make_x(1, k, seed=7)
+    ref = w4a16_matmul_reference(x, w)
     cfgs = _candidates(1, n, k)
     plain = [w4a16_matmul(x, w, dataclasses.replace(cfg, pdl=0)) for cfg in cfgs]
     chained = [w4a16_matmul(x, w, dataclasses.replace(cfg, pdl=pdl)) for cfg in cfgs]
     for cfg, a, b in zip(cfgs, plain, chained, strict=True):
-        assert rel_l2(b, a) <= 1e-6, cfg
+        if cfg.split_k == 1:
+            assert torch.equal(b, a), cfg
+        else:
+            assert rel_l2(b, ref) <= max(2 * rel_l2(a, ref), REL_L2 / 10), cfg
 
 
 @gpu
