@@ -236,18 +236,19 @@ def test_balanced_plan_gives_every_split_the_same_tokens():
     assert splits == 64 and split_len * 64 >= 1 << 20
 
 
-def test_two_wave_plans_only_where_one_wave_overflows():
+def test_two_wave_plans_only_where_one_wave_overflows_by_much():
     """The 1k-8k mix (lengths 1024, 2048, 4096, 8192 in turn) on 132 SMs: the one-wave plan of
-    16 requests fits one wave (120 programs) and is kept; those of 64 and 256 overflow it
-    (counted from the lengths, which the planner does not see) and get the two-wave plan."""
+    16 requests fits one wave (120 programs) and that of 32 overflows it a little (152
+    programs): both keep one wave; those of 64 and 256 overflow it by a third or more (counted
+    from the lengths, which the planner does not see) and get the two-wave plan."""
     mix = (1024, 2048, 4096, 8192)
-    for requests, waves in ((16, 1), (64, 2), (256, 2)):
+    for requests, waves in ((16, 1), (32, 1), (64, 2), (256, 2)):
         lens = [mix[i % 4] for i in range(requests)]
         plan = plan_balanced_waves(sum(lens), 8192, 64, 132, requests, 2)
         assert plan == plan_balanced_splits(sum(lens), 8192, 64, 132 * waves), requests
         one_wave_len = plan_balanced_splits(sum(lens), 8192, 64, 132)[1]
         programs = sum(-(-n // one_wave_len) for n in lens)
-        assert (programs <= 132) == (waves == 1), (requests, programs)
+        assert (programs <= 1.2 * 132) == (waves == 1), (requests, programs)
     assert plan_balanced_waves(10**6, 8192, 64, 132, 256, 1) == plan_balanced_splits(
         10**6, 8192, 64, 132
     )
