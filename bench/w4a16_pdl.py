@@ -1,7 +1,10 @@
-"""Programmatic dependent launch for the INT4 GEMM at one token: the decode slice's seven dense
+"""Programmatic dependent launch for the INT4 kernels at one token: the decode slice's seven dense
 linears a layer (Kimi K2 shapes, group 32), launched back to back in a CUDA graph as a decoding
 step runs them, each GEMM's tile as the tuner picks it, with ``GemmConfig.pdl`` 0, 1 and 2
-side by side in one run (four weight sets, 180 MB, cycled so the weights come from HBM).
+side by side in one run (four weight sets, 180 MB, cycled so the weights come from HBM); then
+the layer's routed experts on one EP-8 GPU at one request (48 of 384 experts, one (token,
+expert) pair, a different expert each set) alone and after the linears, ``MoeConfig.pdl`` 0
+and 1 (with the linears' ``pdl`` the same).
 
     python bench/w4a16_pdl.py [--out DIR] [--commit SHA]
 
@@ -21,6 +24,7 @@ import torch
 import triton
 from accuracy import rel_l2
 from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul
+from tessera.kernels.w4a16_moe import fused_moe
 from timing import graph_time_us
 from w4a16_bench import SLICE_LINEARS, random_int4
 
@@ -58,6 +62,7 @@ def main() -> None:
     print(f"largest rel-L2 of a PDL output against pdl 0: {worst:.1e}; "
           f"pdl 1 {rows[0]['layer_us'] / rows[1]['layer_us']:.3f}x, "
           f"pdl 2 {rows[0]['layer_us'] / rows[2]['layer_us']:.3f}x the speed of pdl 0")
+    moe_rows, moe_worst = moe_modes(xs, ws, configs)
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "commit": args.commit or None,
@@ -65,7 +70,49 @@ def main() -> None:
         "shapes_nk": SLICE_LINEARS, "group": GROUP, "sets": SETS, "max_rel_l2_vs_pdl0": worst,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "w4a16_pdl.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    meta |= {"moe": {"experts": MOE_EXPERTS, "hidden": MOE_HIDDEN, "width": MOE_WIDTH,
+                     "pairs": 1, "max_rel_l2_vs_pdl0": moe_worst}}  # fmt: skip
+    (args.out / "w4a16_pdl.json").write_text(
+        json.dumps({**meta, "rows": rows, "moe_rows": moe_rows}, indent=1)
+    )
+
+
+MOE_EXPERTS, MOE_HIDDEN, MOE_WIDTH = 48, 7168, 2048  # one EP-8 GPU's Kimi K2 experts
+
+
+def moe_modes(xs, ws, configs) -> tuple[list[dict], float]:
+    """The routed experts at one pair, alone and after the seven linears, pdl 0 and 1."""
+    w13 = random_int4((MOE_EXPERTS, 2 * MOE_WIDTH, MOE_HIDDEN), GROUP)
+    w2 = random_int4((MOE_EXPERTS, MOE_HIDDEN, MOE_WIDTH), GROUP)
+    x = torch.randn(1, MOE_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids = [torch.tensor([[e]], device="cuda") for e in (3, 17, 29, 41)][:SETS]
+    weights = torch.ones(1, 1, device="cuda")
+    fused_moe(x, w13, w2, weights, ids[0])  # tunes both GEMMs at one pair, outside the timing
+    moe_cfgs = next(v for k, v in _TUNED.items() if k[0] == "moe_down")
+    rows, outs = [], {}
+    for pdl in (0, 1):
+        cfgs = tuple(dataclasses.replace(c, pdl=pdl) for c in moe_cfgs)
+        dense = [dataclasses.replace(configs[shape], pdl=pdl) for shape in SLICE_LINEARS]
+
+        def moe(i, cfgs=cfgs):
+            return fused_moe(x, w13, w2, weights, ids[i], cfgs)
+
+        def layer(i, cfgs=cfgs, dense=dense):
+            outs = [w4a16_matmul(xi, w, c) for xi, w, c in zip(xs, ws[i], dense, strict=True)]
+            return [*outs, moe(i)]
+
+        outs[pdl] = moe(0).clone()
+        row = {"pdl": pdl, "moe_us": graph_time_us(moe, SETS),
+               "linears_and_moe_us": graph_time_us(layer, SETS),
+               "configs": [dataclasses.asdict(c) for c in cfgs]}  # fmt: skip
+        rows.append(row)
+        print(f"moe pdl {pdl}: {row['moe_us']:7.2f} us alone, {row['linears_and_moe_us']:7.2f} us "
+              "after the 7 linears", flush=True)
+    worst = rel_l2(outs[1], outs[0])
+    print(f"moe: rel-L2 pdl 1 vs 0 {worst:.1e}; pdl 1 {rows[0]['moe_us'] / rows[1]['moe_us']:.3f}x "
+          f"alone, {rows[0]['linears_and_moe_us'] / rows[1]['linears_and_moe_us']:.3f}x with the "
+          "linears, the speed of pdl 0")
+    return rows, worst
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import triton.language as tl
 from .w4a16_format import W4A16Weight, dequantize
 from .w4a16_gemm import (
     _add_counted,
+    _dependent_launch,
+    _dependent_launches,
     _gemv_sum,
     _split_counts,
     _take_sums,
@@ -154,7 +156,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, COUNTED: tl.constexpr = False,
-    FENCE: tl.constexpr = True,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
     of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
@@ -163,6 +165,7 @@ def _moe_gemm_kernel(
     ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and the
     output is ``silu(gate) * up``, ``[pairs, N / 2]``: no ``[pairs, N]`` intermediate is stored.
     """
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     out_n = N // 2 if SILU_MUL else N
@@ -210,13 +213,14 @@ def _moe_gemv_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    FENCE: tl.constexpr = True,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
     one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
     the pair's expert, with no tensor-core tile padded to 8 rows for one. The parts meet in
     :func:`_epilogue`. The pairs of a column tile are neighbouring programs in expert order, so
     pairs that share an expert read its tile from L2."""
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     block = pid % num_blocks
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -300,6 +304,9 @@ class MoeConfig:
     # "triton": tensor-core expert blocks; "gemv": one pair a program on CUDA cores (block_m 1,
     # block_k / 8 word rows a step, its fp32 sums met like K parts)
     path: str = "triton"
+    # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
+    # ends, waiting for its results before reading anything)
+    pdl: int = 1
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -414,6 +421,8 @@ def moe_gemm(
         "EVEN_K": k % config.block_k == 0, "EVEN_N": out_n % out_bn == 0, "SILU_MUL": silu_mul,
         "FENCE": not interpreted(), "num_warps": config.num_warps,
     }  # fmt: skip
+    if config.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
+        common |= {"PDL": config.pdl, "launch_pdl": True}
     if gemv:
         _moe_gemv_kernel[grid](
             *args, n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k, summed,

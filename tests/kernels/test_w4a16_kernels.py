@@ -425,6 +425,29 @@ def test_fused_moe_real_width_tuned(tokens):
 
 @gpu
 @needs_gpu
+def test_moe_dependent_launches_match_plain_ones():
+    """``MoeConfig.pdl`` on every one-token candidate of one EP-8 GPU's 48 Kimi K2 experts
+    (group 32), both GEMMs: unsplit tensor-core tiles give the same bits as plain launches,
+    the rest (K parts and the CUDA-core path meet in fp32 atomics, in any order) match the
+    reference as closely as plain launches do."""
+    experts, hidden, inter, top_k = 48, 7168, 2048, 8
+    w13 = make_weight((experts, 2 * inter, hidden), 32, True, seed=1)
+    w2 = make_weight((experts, hidden, inter), 32, True, seed=2)
+    x = make_x(1, hidden, seed=3)
+    ids = torch.randperm(experts)[:top_k][None].cuda()
+    weights = torch.rand(1, top_k).softmax(-1).cuda()
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    for cfg in moe_module._candidates(top_k, experts, 2 * inter, True):
+        runs = [fused_moe(x, w13, w2, weights, ids, (c, c)) for c in
+                (dataclasses.replace(cfg, pdl=0), dataclasses.replace(cfg, pdl=1))]  # fmt: skip
+        if cfg.split_k == 1 and cfg.path != "gemv":
+            assert torch.equal(runs[1], runs[0]), cfg
+        else:
+            assert rel_l2(runs[1], ref) <= max(2 * rel_l2(runs[0], ref), REL_L2 / 10), cfg
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("experts,tokens,split", [(48, 1, 8), (384, 1, 4), (48, 16, 2)])
 def test_fused_moe_gemv_real_width(experts, tokens, split):
     """The gemv path with its fp16x2 PTX decode at Kimi K2's expert shapes (group 32): one
