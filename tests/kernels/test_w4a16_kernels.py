@@ -423,20 +423,40 @@ def test_fused_moe_real_width_tuned(tokens):
     assert rel_l2(out, fused_moe_reference(x, w13, w2, weights, ids)) <= REL_L2
 
 
+def random_experts(experts, n, k, g):
+    """Random INT4 experts ``[experts, n, k]`` at group 32, drawn on the GPU (384 experts would
+    take minutes on the CPU)."""
+    codes = torch.randint(-(2**31), 2**31 - 1, (experts, k // 8, n), generator=g,
+                          dtype=torch.int32, device="cuda")  # fmt: skip
+    scales = (torch.rand(experts, k // 32, n, generator=g, device="cuda") + 0.5) / k**0.5
+    return W4A16Weight(codes, scales.to(torch.bfloat16) / 4, None, 32)
+
+
+def reference_on_used_experts(x, w13, w2, weights, ids):
+    """``fused_moe_reference`` dequantizing only the experts ``ids`` uses."""
+    used = ids.unique()
+
+    def sliced(w):
+        return W4A16Weight(w.qweight[used], w.scales[used], None, 32)
+
+    return fused_moe_reference(x, sliced(w13), sliced(w2), weights, torch.searchsorted(used, ids))
+
+
 @gpu
 @needs_gpu
 def test_moe_dependent_launches_match_plain_ones():
     """``MoeConfig.pdl`` on every one-token candidate of one EP-8 GPU's 48 Kimi K2 experts
-    (group 32), both GEMMs: unsplit tensor-core tiles give the same bits as plain launches,
-    the rest (K parts and the CUDA-core path meet in fp32 atomics, in any order) match the
-    reference as closely as plain launches do."""
+    (group 32, top 8), both GEMMs: unsplit tensor-core tiles give the same bits as plain
+    launches, the rest (K parts and the CUDA-core path meet in fp32 atomics, in any order)
+    match the reference as closely as plain launches do."""
     experts, hidden, inter, top_k = 48, 7168, 2048, 8
-    w13 = make_weight((experts, 2 * inter, hidden), 32, True, seed=1)
-    w2 = make_weight((experts, hidden, inter), 32, True, seed=2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13 = random_experts(experts, 2 * inter, hidden, g)
+    w2 = random_experts(experts, hidden, inter, g)
     x = make_x(1, hidden, seed=3)
-    ids = torch.randperm(experts)[:top_k][None].cuda()
-    weights = torch.rand(1, top_k).softmax(-1).cuda()
-    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    ids = torch.randperm(experts, generator=g, device="cuda")[:top_k][None]
+    weights = torch.rand(1, top_k, generator=g, device="cuda").softmax(-1)
+    ref = reference_on_used_experts(x, w13, w2, weights, ids)
     for cfg in moe_module._candidates(top_k, experts, 2 * inter, True):
         runs = [fused_moe(x, w13, w2, weights, ids, (c, c)) for c in
                 (dataclasses.replace(cfg, pdl=0), dataclasses.replace(cfg, pdl=1))]  # fmt: skip
@@ -454,26 +474,15 @@ def test_fused_moe_gemv_real_width(experts, tokens, split):
     EP-8 GPU's 48 experts and all 384, one pair and several pairs an expert."""
     hidden, inter, top_k = 7168, 2048, 8 if experts == 384 else 1
     g = torch.Generator(device="cuda").manual_seed(4)
-
-    def experts_int4(n, k):  # drawn on the GPU (384 experts would take minutes on the CPU)
-        codes = torch.randint(-(2**31), 2**31 - 1, (experts, k // 8, n), generator=g,
-                              dtype=torch.int32, device="cuda")  # fmt: skip
-        scales = (torch.rand(experts, k // 32, n, generator=g, device="cuda") + 0.5) / k**0.5
-        return W4A16Weight(codes, scales.to(torch.bfloat16) / 4, None, 32)
-
-    w13, w2 = experts_int4(2 * inter, hidden), experts_int4(hidden, inter)
+    w13 = random_experts(experts, 2 * inter, hidden, g)
+    w2 = random_experts(experts, hidden, inter, g)
     x = make_x(tokens, hidden, seed=6)
     ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
                        for _ in range(tokens)])  # fmt: skip
     weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
     cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv")
     out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
-    used = ids.unique()  # the reference dequantizes only the experts used
-
-    def sliced(w):
-        return W4A16Weight(w.qweight[used], w.scales[used], None, 32)
-
-    ref = fused_moe_reference(x, sliced(w13), sliced(w2), weights, torch.searchsorted(used, ids))
+    ref = reference_on_used_experts(x, w13, w2, weights, ids)
     assert rel_l2(out, ref) <= REL_L2
 
 
