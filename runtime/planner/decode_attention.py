@@ -4,8 +4,9 @@ The fastest measured one for the phase's attention kind, KV dtype and query head
 The table rests on docs/sglang-kernels.md ("Against FlashMLA"): tessera's MLA decode against
 FlashMLA kernel to kernel on the H200 (bench/results/fp8_kv_flashmla.json), batch 1-256,
 context 1k-32k and the decode slice's mixed lengths. FlashMLA was faster at every head count
-and both KV dtypes; ours won only single requests (16 and 64 heads, BF16) and 32 requests of
-1k (8 heads, FP8), too few to route a phase by. Both measured kernels beat SGLang's Triton MLA
+and both KV dtypes; ours won only single requests of 4k-16k (BF16: 16 heads 1.10-1.19x, 64
+heads 1.19-1.57x, 128 heads at 16k 1.22x) and 32 requests of 1k (16 heads, FP8, 1.01x), too
+few to route a phase by. Both measured kernels beat SGLang's Triton MLA
 decode; SGLang's Hopper default for MLA (FA3) was not measured, so where nothing was measured
 SGLang keeps its own choice.
 """
