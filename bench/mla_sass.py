@@ -104,7 +104,8 @@ def gluon_report(
         return {"shared": kernel.metadata.shared, "resources": resources(path),
                 "wgmma": "HGMMA" in listing,
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
-                "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing))}  # fmt: skip
+                "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
+                "loop": dict(loop_opcodes(path).most_common())}  # fmt: skip
 
 
 def main() -> None:
@@ -125,9 +126,13 @@ def main() -> None:
                       f"(STL/LDL); {top}\n  {what}", flush=True)
             for fp8 in (True,) if h <= 16 else (False, True):
                 r = gluon_report(balanced, heads=h, fp8=fp8)
+                # the 64-heads kernel's one loop is its tile loop; the warp-specialized one's
+                # longest loop is one partition's
+                top = ", ".join(f"{op} {n}" for op, n in list(r["loop"].items())[:14])
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}, Gluon: "
                       f"{r['resources']}; setmaxnreg {r['setmaxnreg']}; shared {r['shared']} "
-                      f"bytes; {r['spills']} spill loads/stores (STL/LDL)", flush=True)
+                      f"bytes; {r['spills']} spill loads/stores (STL/LDL); longest loop "
+                      f"{sum(r['loop'].values())} instructions: {top}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -103,8 +103,9 @@ def pick_config(
     ``WGMMA_MIN_TOKENS`` on, ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
     a program, so each tile is read once instead of by four 16-head programs, in the Gluon
     kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp program per SM), BF16
-    and FP8: 1.1-2.0x the Triton 64-heads kernel (``MLA_HEADS_TRITON``, which runs off Hopper)
-    on every 64/128-head shape of bench/results/fp8_kv_flashmla_from64heads.json."""
+    and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``, which runs off
+    Hopper) over the 64/128-head shapes of bench/results/fp8_kv_flashmla.json, a tie (0.98-0.99x)
+    only at one request of 1k."""
     if mla:
         if group >= 64:
             return MLA_HEADS_M
