@@ -1,10 +1,11 @@
 """Registers, stack and the main loop's instruction mix of the MLA decode kernels, without a GPU.
 
-Compiles the stage-1 MLA kernel the launcher picks for a head count (``pick_config``: 16 heads
-a program below 64 heads, 64 heads with 8 warps from 64 on; BF16 from 64 heads in the
-transposed kernel) for sm_90 with Triton's bundled ptxas, as the JIT specializes it for real
-shapes (16-byte aligned pointers, strides divisible by 16), and prints registers and stack
-(spills) per thread and the opcode mix of the tile loop (the longest backward branch).
+Compiles the stage-1 Triton MLA kernel for a head count (``pick_config``'s, or where that is a
+Gluon kernel the Triton one that runs in its place off Hopper: 16 heads a program below 64
+heads, 64 heads with 8 warps from 64 on) for sm_90 with Triton's bundled ptxas, as the JIT
+specializes it for real shapes (16-byte aligned pointers, strides divisible by 16), and prints
+registers and stack (spills) per thread and the opcode mix of the tile loop (the longest
+backward branch).
 
     python bench/mla_sass.py [--balanced] [HEADS ...]   # default: 16 64 128, BF16 and FP8
 
@@ -13,8 +14,9 @@ length, as the decode slice does); without it, equal splits (``bench/mla_profile
 Run it with the Triton version of the GPU image: the register allocation differs between them.
 It also compiles the Gluon kernels (written for the GPU image's Triton 3.6): at up to 16 heads
 the warp-specialized FP8 kernel (``mla_decode_wgmma.py``), from 64 heads the heads-as-M kernel
-(``mla_decode_heads.py``, BF16 and FP8), and prints their registers, stack, shared memory and
-spill instructions (no loop mix).
+(``mla_decode_heads.py``, BF16 and FP8), and prints their registers, stack, shared memory,
+spill instructions and longest loop's opcode mix (the 64-heads kernel's tile loop; one
+partition's loop in the warp-specialized one).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tessera.kernels.mla_decode_heads import mla_heads_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
+    MLA_HEADS_TRITON,
     _mla_kernel,
     _mla_tokens_m_kernel,
     pick_config,
@@ -49,8 +52,11 @@ STRIDES = {"stride_qb", "stride_qh", "stride_kv_slot", "stride_pb", "stride_ph"}
 
 def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
     cfg = pick_config(576, heads, True, fp8=fp8)
-    if cfg.wgmma:  # the Gluon kernel on Hopper; its Triton counterpart is what is compiled here
+    # the Gluon kernels on Hopper (gluon_report builds them); their Triton counterparts here
+    if cfg.wgmma:
         cfg = MLA_FP8_TRITON
+    if cfg.heads_m:
+        cfg = MLA_HEADS_TRITON
     fn = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
