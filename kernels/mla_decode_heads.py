@@ -77,8 +77,8 @@ def _load_words(
 ):  # fmt: skip
     """FP8: the tile's e4m3 bytes as 32-bit words (four values each), 0 past ``end``: the
     latent's two halves ``[BLOCK_N, D / 8]`` (widened one at a time) and the rope
-    ``[BLOCK_N, D_ROPE / 4]``. 16 bytes a thread and load, 8
-    rows a warp (conflict-free 16-byte shared stores once widened)."""
+    ``[BLOCK_N, D_ROPE / 4]``. 16 bytes a thread and load, 8 rows a warp (conflict-free 16-byte
+    shared stores once widened)."""
     words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
     entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
