@@ -1,5 +1,6 @@
-"""One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs, FP8 in the
-Triton kernel that runs off Hopper, and each side of the Gluon FP8 kernel alone) and FlashMLA's
+"""One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs; up to 16 heads
+also FP8 in the Triton kernel that runs off Hopper and each side of the Gluon FP8 kernel alone,
+from 64 heads both dtypes in the Triton 64-heads kernel that runs off Hopper) and FlashMLA's
 BF16 and FP8 kernels, each launched twice on the same pages (the first launch compiles and
 warms up).
 
@@ -19,7 +20,7 @@ import torch
 from fp8_kv_decode import PagedCase, fp8_copies
 from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
-from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA
+from tessera.kernels.paged_decode_split import MLA_FP8_TRITON, MLA_FP8_WGMMA, MLA_HEADS_TRITON
 from tessera.kernels.paged_kv import FP8_DTYPE
 
 # the Gluon kernel's sides alone (the other only hands buffers over): which side bounds it
@@ -40,13 +41,17 @@ def main() -> None:
         "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
         "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
     }
-    runs["ours_fp8_triton"] = lambda: paged_decode_mla_fp8(
-        q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=MLA_FP8_TRITON
-    )
-    for name, config in GLUON_VARIANTS.items():
-        runs[f"ours_fp8_{name}"] = functools.partial(
-            paged_decode_mla_fp8, q, kv8, s8, case.tables[0], sm, max_seq_len=ctx, config=config
+    fp8_call = functools.partial(paged_decode_mla_fp8, q, kv8, s8, case.tables[0], sm,
+                                 max_seq_len=ctx)  # fmt: skip
+    if heads >= 64:
+        runs["ours_bf16_triton"] = lambda: paged_decode_mla_bf16(
+            q, kv, case.tables[0], sm, max_seq_len=ctx, config=MLA_HEADS_TRITON
         )
+        runs["ours_fp8_triton"] = functools.partial(fp8_call, config=MLA_HEADS_TRITON)
+    else:
+        runs["ours_fp8_triton"] = functools.partial(fp8_call, config=MLA_FP8_TRITON)
+        for name, config in GLUON_VARIANTS.items():
+            runs[f"ours_fp8_{name}"] = functools.partial(fp8_call, config=config)
     try:
         import flash_mla
 
