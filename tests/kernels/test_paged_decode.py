@@ -31,6 +31,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_M,
     WGMMA_MIN_TOKENS,
     DecodeConfig,
+    _merge_kernel,
     pick_config,
     plan_balanced_splits,
     plan_balanced_waves,
@@ -252,6 +253,27 @@ def test_two_wave_plans_only_where_one_wave_overflows_by_much():
     assert plan_balanced_waves(10**6, 8192, 64, 132, 256, 1) == plan_balanced_splits(
         10**6, 8192, 64, 132
     )
+
+
+def test_merge_skips_splits_past_a_request_end():
+    """Stage 2 reads no output of a split whose log-sum-exp is -inf (the Gluon kernels leave it
+    unwritten): NaN there changes nothing, and a request with no tokens at all merges to 0."""
+    batch, heads, splits, dv = 2, 3, 4, 32
+    part_out = torch.randn(batch, heads, splits, dv, device=DEVICE)
+    part_lse = torch.randn(batch, heads, splits, device=DEVICE)
+    part_lse[0, :, 2:] = float("-inf")  # request 0: its last two splits are empty
+    part_out[0, :, 2:] = float("nan")
+    part_lse[1] = float("-inf")  # request 1: no tokens
+    part_out[1] = float("nan")
+    out = torch.empty(batch, heads, dv, device=DEVICE)
+    _merge_kernel[(batch, heads)](
+        part_out, part_lse, out, heads, splits, part_out.stride(0), part_out.stride(1),
+        part_out.stride(2), out.stride(0), out.stride(1), DV=dv, SPLITS_P2=splits, num_warps=2,
+    )  # fmt: skip
+    weights = torch.softmax(part_lse[0, :, :2] * math.log(2), dim=-1)  # lse is in log2 units
+    expected = (weights[..., None] * part_out[0, :, :2]).sum(1)
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_mla_defaults_follow_the_dtype_and_head_count():
