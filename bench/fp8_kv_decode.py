@@ -490,8 +490,9 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
             continue
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
-        if not named:  # both FP8 kernels beside the default everywhere (and the one-wave plan
-            # on the mixes), the rest not
+        if not named:  # everywhere: the kernels the defaults choose between or replaced (both
+            # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
+            # plan too; the rest only on the named shapes
             keep = ("triton", "wgmma", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}

@@ -98,8 +98,8 @@ def moe_modes(xs, ws, configs) -> tuple[list[dict], float]:
             return fused_moe(x, w13, w2, weights, ids[i], cfgs)
 
         def layer(i, cfgs=cfgs, dense=dense):
-            outs = [w4a16_matmul(xi, w, c) for xi, w, c in zip(xs, ws[i], dense, strict=True)]
-            return [*outs, moe(i)]
+            linears = [w4a16_matmul(xi, w, c) for xi, w, c in zip(xs, ws[i], dense, strict=True)]
+            return [*linears, moe(i)]
 
         outs[pdl] = moe(0).clone()
         row = {"pdl": pdl, "moe_us": graph_time_us(moe, SETS),

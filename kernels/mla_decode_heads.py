@@ -71,14 +71,15 @@ def _copy_tile(
 
 
 @gluon.jit
-def _load_words(
+def _load_fp8_tile(
     KV32, indices, row, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
 ):  # fmt: skip
     """FP8: the tile's e4m3 bytes as 32-bit words (four values each), 0 past ``end``: the
     latent's two halves ``[BLOCK_N, D / 8]`` (widened one at a time) and the rope
     ``[BLOCK_N, D_ROPE / 4]``. 16 bytes a thread and load, 8 rows a warp (conflict-free 16-byte
-    shared stores once widened)."""
+    shared stores once widened). In quarters, as the 16-heads kernel's producer loads them
+    (``_load_tile``), this loop compiled to two more barriers a tile (Triton 3.6, sm_90)."""
     words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
     entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
@@ -96,8 +97,8 @@ def _load_words(
 
 
 @gluon.jit
-def _store_words(words, buf_lat_w, buf_rope_w, D: gl.constexpr):
-    """FP8: the tile's words (``_load_words``) widened to fp16 into a buffer's word view."""
+def _store_fp8_tile(words, buf_lat_w, buf_rope_w, D: gl.constexpr):
+    """FP8: the tile's words (``_load_fp8_tile``) widened to fp16 into a buffer's word view."""
     lat0, lat1, rope = words
     buf_lat_w.slice(0, D // 4, dim=1).store(_widen(lat0))
     buf_lat_w.slice(D // 4, D // 4, dim=1).store(_widen(lat1))
@@ -168,7 +169,7 @@ def mla_heads_kernel(
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
         k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
         k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
-        words = _load_words(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
+        words = _load_fp8_tile(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
                             ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
     else:
         _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
@@ -185,8 +186,8 @@ def mla_heads_kernel(
     q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl, q_lat.to(dt))
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl, q_rope.to(dt))
     if FP8:
-        _store_words(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
-        words = _load_words(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
+        _store_fp8_tile(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
+        words = _load_fp8_tile(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
                             PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
@@ -249,8 +250,8 @@ def mla_heads_kernel(
         if FP8:
             # tile i + 1 into the other buffer (free since this tile's first barrier) through
             # this tile's output product, then tile i + 2's words in flight
-            _store_words(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf), D)
-            words = _load_words(KV32, indices, row, n0 + 2 * BLOCK_N, end, stride_kv_slot // 4,
+            _store_fp8_tile(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf), D)
+            words = _load_fp8_tile(KV32, indices, row, n0 + 2 * BLOCK_N, end, stride_kv_slot // 4,
                                 PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         m = m_new

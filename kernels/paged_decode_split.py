@@ -898,6 +898,13 @@ def paged_decode(
         "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n, "FP8": scales is not None,
         "INTERPRETED": interpreted, **launch,
     }  # fmt: skip
+    # what the three MLA stage-1 kernels take besides ``shared`` (one latent KV head)
+    mla = {"KV": k_rows, "KV_SCALE": k_scale, "num_heads": num_heads,
+           "stride_kv_slot": k_rows.stride(0), "stride_s_slot": k_scale.stride(0)}  # fmt: skip
+
+    def shared_but(*names: str) -> dict:
+        return {k: v for k, v in shared.items() if k not in names}
+
     if v_from_k and cfg.wgmma:
         if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
             raise ValueError(
@@ -906,11 +913,8 @@ def paged_decode(
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
         mla_fp8_wgmma_kernel[(programs, splits)](
-            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            ONLY=cfg.only,
-            **{k: v for k, v in shared.items() if k not in ("FP8", "INTERPRETED", "num_stages")},
-        )  # fmt: skip
+            ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+        )
     elif v_from_k and cfg.heads_m:
         if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
             raise ValueError(
@@ -918,20 +922,15 @@ def paged_decode(
                 f"of 64 heads and 8 warps, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
                 f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
             )
+        # its tile sizes are the kernel's own constants
         mla_heads_kernel[(programs, splits)](
-            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            num_warps=cfg.num_warps,
-            **{k: v for k, v in shared.items()
-               if k not in ("INTERPRETED", "num_stages", "num_warps", "BLOCK_H", "BLOCK_N")},
-        )  # fmt: skip
+            **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N")
+        )
     elif v_from_k and cfg.latent_quarters and dim >= 64:
         kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
         kernel[(programs, splits)](
-            KV=k_rows, KV_SCALE=k_scale, num_heads=num_heads,
-            stride_kv_slot=k_rows.stride(0), stride_s_slot=k_scale.stride(0),
-            QK_PARTS=cfg.qk_fp8_parts, PV_PARTS=cfg.pv_fp8_parts, **shared,
-        )  # fmt: skip
+            QK_PARTS=cfg.qk_fp8_parts, PV_PARTS=cfg.pv_fp8_parts, **mla, **shared
+        )
     else:
         _split_kernel[(programs, splits)](
             K=k_rows, V=v_rows, K_SCALE=k_scale, V_SCALE=v_scale,
