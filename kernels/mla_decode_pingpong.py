@@ -244,20 +244,22 @@ def _consumer(
         first = 2
     for t in range(first, tiles, 2):
         n0 = start + t * BLOCK_N
-        mbarrier.wait(full.index(W), t // 2 & 1)
-        s = _scores(q_lat_s, q_rope_s, k_lat_all.index(W), k_rope_all.index(W), mma_s)
+        # first the other's tile t - 1 on this warpgroup's columns: its buffer is refilled
+        # (with tile t + 1) as soon as both warpgroups are done with it, while tile t is in
+        # flight; waiting for tile t first held that load back behind this one
+        acc, m, l, unit = _take_other(acc, m, l, unit, t - 1, stats, stats_m, stats_v,
+                                      k_lat_all, k_rope_all, W, FP8, head_s, head_o)
         mask = n0 + gl.arange(0, BLOCK_N, layout=tok_s) < end
         if FP8:
             scale, mask = _tile_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, tok_s,
                                        PAGE_SIZE, ENTRIES_PER_PAGE)  # fmt: skip
-        # the other's tile t - 1 on this warpgroup's columns, through this tile's softmax
-        acc, m, l, unit = _take_other(acc, m, l, unit, t - 1, stats, stats_m, stats_v,
-                                      k_lat_all, k_rope_all, W, FP8, head_s, head_o)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        p, alpha, m, l, unit = _own_softmax(s, m, l, unit, scale, mask, sm_scale_log2e, W,
-                                            stats, stats_m, stats_v, k_rope_all, FP8, dt)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(1 - W), count=1)
+        mbarrier.wait(full.index(W), t // 2 & 1)
+        s = _scores(q_lat_s, q_rope_s, k_lat_all.index(W), k_rope_all.index(W), mma_s)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, alpha, m, l, unit = _own_softmax(s, m, l, unit, scale, mask, sm_scale_log2e, W,
+                                            stats, stats_m, stats_v, k_rope_all, FP8, dt)
         acc = warpgroup_mma(gl.convert_layout(p, p_op), v_own,
                             acc * gl.convert_layout(alpha, head_o)[:, None], is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
