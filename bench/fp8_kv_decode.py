@@ -53,7 +53,6 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
     MLA_HEADS_TRITON,
-    MLA_PINGPONG,
     DecodeConfig,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -441,8 +440,6 @@ MLA_WIDE_PEER_VARIANTS = {  # 64+ heads; the default is the Gluon heads-as-M ker
     "t64": ("bf16", DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)),
     # the mixes: splits planned for two waves where one wave's plan overflows
     "heads_m_2w": ("both", replace(MLA_HEADS_M, balanced_waves=2)),
-    # the two warpgroups on alternate tiles, a producer warpgroup for the loads
-    "pingpong": ("both", MLA_PINGPONG),
 }
 
 
@@ -496,7 +493,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "triton64", "pingpong")
+            keep = ("triton", "wgmma", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

@@ -55,11 +55,10 @@ BLOCK_N = gl.constexpr(64)  # tokens a tile
 def _copy_tile(
     KV, buf_lat, buf_rope, indices, row, n0, end, stride_kv_slot, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
-    WARPS: gl.constexpr,
 ):  # fmt: skip
     """BF16: the tile's rows straight into shared memory (``cp.async``, one group), 0 past
     ``end``; 16 bytes a thread and copy, a warp's 8 lanes a 128-byte row piece."""
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, tile_l)
     cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
     entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
@@ -174,7 +173,7 @@ def mla_heads_kernel(
                             ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
     else:
         _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
-                   stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE, 8)  # fmt: skip
+                   stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
 
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
@@ -208,7 +207,7 @@ def mla_heads_kernel(
         if not FP8:
             _copy_tile(KV, k_lat_all.index(1 - buf), k_rope_all.index(1 - buf), indices, row,
                        n0 + BLOCK_N, end, stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D,
-                       D_ROPE, 8)  # fmt: skip
+                       D_ROPE)  # fmt: skip
         k_lat_s = k_lat_all.index(buf)
         s = warpgroup_mma(q_lat_s, k_lat_s.permute((1, 0)),
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s), use_acc=False,

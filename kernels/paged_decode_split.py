@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .decode_split_range import split_range as _split_range
 from .mla_decode_heads import mla_heads_kernel
-from .mla_decode_pingpong import mla_pingpong_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
 
@@ -66,9 +65,6 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
-    # with heads_m: the ping-pong kernel (mla_decode_pingpong.py): the two warpgroups on
-    # alternate tiles, a producer warpgroup for the loads; 4 warps a partition
-    pingpong: bool = False
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -84,7 +80,6 @@ MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
 MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
-MLA_PINGPONG = DecodeConfig(64, 64, 4, 1, True, 1, whole_waves=True, heads_m=True, pingpong=True)
 # From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
 # Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
@@ -921,16 +916,14 @@ def paged_decode(
             ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
         )
     elif v_from_k and cfg.heads_m:
-        warps = 4 if cfg.pingpong else 8
-        if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, warps):
+        if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
             raise ValueError(
                 "the heads-as-M MLA kernel takes 512 latent + 64 rope dims with 64-token tiles "
-                f"of 64 heads and {warps} warps, got {dim} + {rope_dim} dims, "
-                f"block_n={cfg.block_n}, block_h={cfg.block_h}, num_warps={cfg.num_warps}"
+                f"of 64 heads and 8 warps, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
+                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
             )
         # its tile sizes are the kernel's own constants
-        kernel = mla_pingpong_kernel if cfg.pingpong else mla_heads_kernel
-        kernel[(programs, splits)](
+        mla_heads_kernel[(programs, splits)](
             **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N")
         )
     elif v_from_k and cfg.latent_quarters and dim >= 64:
