@@ -1,11 +1,10 @@
 """Programmatic dependent launch for the INT4 kernels at one token: the decode slice's seven dense
 linears a layer (Kimi K2 shapes, group 32), launched back to back in a CUDA graph as a decoding
-step runs them, each GEMM's tile as the tuner picks it, side by side in one run (four weight
-sets, 180 MB, cycled so the weights come from HBM): ``GemmConfig.pdl`` 0 and 1, and 1 with each
-program's weights asked into L2 before the wait (``prefetch``). Then the layer's routed experts
-on one EP-8 GPU (48 of 384 experts) at 1 to 4 (token, expert) pairs, as the GPU with the most
-experts gets them at one request, alone and after the linears, with the up GEMM asking L2 for
-the down weights (``MoeConfig.prefetch_next`` 0, 1, 2; at 4 pairs forced past the half-L2 rule).
+step runs them, each GEMM's tile as the tuner picks it, with ``GemmConfig.pdl`` 0, 1 and 2
+side by side in one run (four weight sets, 180 MB, cycled so the weights come from HBM); then
+the layer's routed experts on one EP-8 GPU at one request (48 of 384 experts, one (token,
+expert) pair, a different expert each set) alone and after the linears, ``MoeConfig.pdl`` 0
+and 1 (with the linears' ``pdl`` the same).
 
     python bench/w4a16_pdl.py [--out DIR] [--commit SHA]
 
@@ -16,7 +15,6 @@ their launches are part of what #20's +55% needs. Writes ``w4a16_pdl.json`` unde
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,7 +23,6 @@ from pathlib import Path
 import torch
 import triton
 from accuracy import rel_l2
-from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul
 from tessera.kernels.w4a16_moe import fused_moe
 from timing import graph_time_us
@@ -33,7 +30,6 @@ from w4a16_bench import SLICE_LINEARS, random_int4
 
 SETS = 4
 GROUP = 32
-MODES = ((0, False), (1, False), (1, True))  # (GemmConfig.pdl, GemmConfig.prefetch)
 
 
 def main() -> None:
@@ -50,26 +46,22 @@ def main() -> None:
     configs = {key[2:4]: cfg for key, cfg in _TUNED.items() if key[:2] == ("gemm", 1)}
     rows = []
     outs = {}
-    for pdl, prefetch in MODES:
-        cfgs = [dataclasses.replace(configs[shape], pdl=pdl, prefetch=prefetch)
-                for shape in SLICE_LINEARS]  # fmt: skip
+    for pdl in (0, 1, 2):
+        cfgs = [dataclasses.replace(configs[shape], pdl=pdl) for shape in SLICE_LINEARS]
 
         def layer(i, cfgs=cfgs):
             return [w4a16_matmul(x, w, c) for x, w, c in zip(xs, ws[i], cfgs, strict=True)]
 
-        outs[pdl, prefetch] = [o.clone() for o in layer(0)]
+        outs[pdl] = [o.clone() for o in layer(0)]
         us = graph_time_us(layer, SETS)
-        rows.append({"pdl": pdl, "prefetch": prefetch, "layer_us": us,
-                     "per_gemm_us": us / len(SLICE_LINEARS),
+        rows.append({"pdl": pdl, "layer_us": us, "per_gemm_us": us / len(SLICE_LINEARS),
                      "configs": [dataclasses.asdict(c) for c in cfgs]})  # fmt: skip
-        print(f"pdl {pdl} prefetch {prefetch:d}: {us:7.2f} us for the {len(SLICE_LINEARS)} "
-              f"linears ({us / len(SLICE_LINEARS):.2f} us each)", flush=True)
-    plain = outs[MODES[0]]
-    worst = max(rel_l2(a, b) for mode in MODES[1:] for a, b in zip(plain, outs[mode], strict=True))
-    print(f"largest rel-L2 of an output against pdl 0: {worst:.1e}; "
-          + ", ".join(f"pdl {r['pdl']} prefetch {r['prefetch']:d} "
-                      f"{rows[0]['layer_us'] / r['layer_us']:.3f}x" for r in rows[1:])
-          + " the speed of pdl 0")  # fmt: skip
+        print(f"pdl {pdl}: {us:7.2f} us for the {len(SLICE_LINEARS)} linears "
+              f"({us / len(SLICE_LINEARS):.2f} us each)", flush=True)
+    worst = max(rel_l2(a, b) for p in (1, 2) for a, b in zip(outs[0], outs[p], strict=True))
+    print(f"largest rel-L2 of a PDL output against pdl 0: {worst:.1e}; "
+          f"pdl 1 {rows[0]['layer_us'] / rows[1]['layer_us']:.3f}x, "
+          f"pdl 2 {rows[0]['layer_us'] / rows[2]['layer_us']:.3f}x the speed of pdl 0")
     moe_rows, moe_worst = moe_modes(xs, ws, configs)
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -79,71 +71,48 @@ def main() -> None:
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     meta |= {"moe": {"experts": MOE_EXPERTS, "hidden": MOE_HIDDEN, "width": MOE_WIDTH,
-                     "pairs": MOE_PAIRS, "max_rel_l2_vs_no_prefetch": moe_worst}}  # fmt: skip
+                     "pairs": 1, "max_rel_l2_vs_pdl0": moe_worst}}  # fmt: skip
     (args.out / "w4a16_pdl.json").write_text(
         json.dumps({**meta, "rows": rows, "moe_rows": moe_rows}, indent=1)
     )
 
 
 MOE_EXPERTS, MOE_HIDDEN, MOE_WIDTH = 48, 7168, 2048  # one EP-8 GPU's Kimi K2 experts
-MOE_PAIRS = (1, 2, 3, 4)
 
 
 def moe_modes(xs, ws, configs) -> tuple[list[dict], float]:
-    """The routed experts at 1 to 4 pairs (distinct experts, top 1 after dispatch), alone and
-    after the seven linears (pdl 1, prefetch on), with ``prefetch_next`` 0, 1 and 2."""
+    """The routed experts at one pair, alone and after the seven linears, pdl 0 and 1."""
     w13 = random_int4((MOE_EXPERTS, 2 * MOE_WIDTH, MOE_HIDDEN), GROUP)
     w2 = random_int4((MOE_EXPERTS, MOE_HIDDEN, MOE_WIDTH), GROUP)
-    dense = [dataclasses.replace(configs[shape], pdl=1, prefetch=True) for shape in SLICE_LINEARS]
-    order = torch.randperm(MOE_EXPERTS, generator=torch.Generator().manual_seed(1)).tolist()
-    rows, worst = [], 0.0
-    for pairs in MOE_PAIRS:
-        x = torch.randn(pairs, MOE_HIDDEN, device="cuda", dtype=torch.bfloat16)
-        # a different set of experts each weight set, so the experts come from HBM
-        ids = [torch.tensor(order[i * pairs:(i + 1) * pairs], device="cuda")[:, None]
-               for i in range(SETS)]  # fmt: skip
-        weights = torch.ones(pairs, 1, device="cuda")
-        _TUNED.clear()  # tune both GEMMs at this pair count, outside the timing
-        fused_moe(x, w13, w2, weights, ids[0])
-        tuned = next(v for k, v in _TUNED.items() if k[0] == "moe_down")
-        fits = moe_module._prefetch_down(w2, pairs, moe_module._l2_bytes(x.device))
-        outs = {}
-        for mode in (0, 1, 2):
-            cfgs = tuple(dataclasses.replace(c, pdl=1, prefetch_next=mode) for c in tuned)
+    x = torch.randn(1, MOE_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids = [torch.tensor([[e]], device="cuda") for e in (3, 17, 29, 41)][:SETS]
+    weights = torch.ones(1, 1, device="cuda")
+    fused_moe(x, w13, w2, weights, ids[0])  # tunes both GEMMs at one pair, outside the timing
+    moe_cfgs = next(v for k, v in _TUNED.items() if k[0] == "moe_down")
+    rows, outs = [], {}
+    for pdl in (0, 1):
+        cfgs = tuple(dataclasses.replace(c, pdl=pdl) for c in moe_cfgs)
+        dense = [dataclasses.replace(configs[shape], pdl=pdl) for shape in SLICE_LINEARS]
 
-            def moe(i, cfgs=cfgs, x=x, ids=ids, weights=weights):
-                return fused_moe(x, w13, w2, weights, ids[i], cfgs)
+        def moe(i, cfgs=cfgs):
+            return fused_moe(x, w13, w2, weights, ids[i], cfgs)
 
-            def layer(i, moe=moe):
-                linears = [w4a16_matmul(xi, w, c)
-                           for xi, w, c in zip(xs, ws[i], dense, strict=True)]  # fmt: skip
-                return [*linears, moe(i)]
+        def layer(i, cfgs=cfgs, dense=dense):
+            linears = [w4a16_matmul(xi, w, c) for xi, w, c in zip(xs, ws[i], dense, strict=True)]
+            return [*linears, moe(i)]
 
-            with forced_prefetch(not fits):
-                outs[mode] = moe(0).clone()
-                row = {"pairs": pairs, "prefetch_next": mode, "forced": not fits,
-                       "moe_us": graph_time_us(moe, SETS),
-                       "linears_and_moe_us": graph_time_us(layer, SETS),
-                       "configs": [dataclasses.asdict(c) for c in cfgs]}  # fmt: skip
-            rows.append(row)
-            print(f"moe {pairs} pairs prefetch_next {mode}{' (forced)' if not fits else ''}: "
-                  f"{row['moe_us']:7.2f} us alone, {row['linears_and_moe_us']:7.2f} us after the "
-                  "7 linears", flush=True)
-        worst = max(worst, *(rel_l2(outs[m], outs[0]) for m in (1, 2)))
-    print(f"moe: largest rel-L2 of a prefetching run against none: {worst:.1e}")
+        outs[pdl] = moe(0).clone()
+        row = {"pdl": pdl, "moe_us": graph_time_us(moe, SETS),
+               "linears_and_moe_us": graph_time_us(layer, SETS),
+               "configs": [dataclasses.asdict(c) for c in cfgs]}  # fmt: skip
+        rows.append(row)
+        print(f"moe pdl {pdl}: {row['moe_us']:7.2f} us alone, {row['linears_and_moe_us']:7.2f} us "
+              "after the 7 linears", flush=True)
+    worst = rel_l2(outs[1], outs[0])
+    print(f"moe: rel-L2 pdl 1 vs 0 {worst:.1e}; pdl 1 {rows[0]['moe_us'] / rows[1]['moe_us']:.3f}x "
+          f"alone, {rows[0]['linears_and_moe_us'] / rows[1]['linears_and_moe_us']:.3f}x with the "
+          "linears, the speed of pdl 0")
     return rows, worst
-
-
-@contextlib.contextmanager
-def forced_prefetch(force: bool):
-    """The up GEMM asks L2 for the down weights even past the half-L2 rule (to measure it)."""
-    rule = moe_module._prefetch_down
-    if force:
-        moe_module._prefetch_down = lambda w2, pairs, l2: rule(w2, pairs, 1 << 62)
-    try:
-        yield
-    finally:
-        moe_module._prefetch_down = rule
 
 
 if __name__ == "__main__":

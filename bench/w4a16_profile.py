@@ -8,22 +8,17 @@ Profiles the GEMM at M = 1, 16384 x 7168, group 128, on both paths the v5 tuner 
 columns and 8 K splits), and the MoE up GEMM at one token (Kimi-like experts, group 32).
 With ``--slice``: the decode slice's INT4 linears at one token (Kimi K2's, group 32), each as
 the tuner runs it (every launch of the call), with each call's CUDA-graph
-time printed. With ``--prefetch`` (profile with ``--cache-control none``): one EP-8 GPU's
-Kimi K2 experts at one pair, without and with the up GEMM asking L2 for the down weights, and
-the fused q_a + kv_a linear without and with its weights asked into L2 first, each after an
-L2 flush, so the down GEMM's and the linear's DRAM bytes show whether the prefetch landed.
-Compilation, tuning and a warm-up run happen before the profiler starts.
+time printed. Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 import torch
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
 from tessera.kernels.w4a16_gemm import _TUNED, GemmConfig, _m_bucket, w4a16_matmul
-from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, fused_moe, moe_gemm
+from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, moe_gemm
 from timing import graph_time_us
 from w4a16_bench import SLICE_LINEARS
 
@@ -53,39 +48,9 @@ def profile_slice_linears() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def profile_prefetch() -> None:
-    experts, hidden, inter = 48, 7168, 2048
-    w13 = random_int4((experts,), 2 * inter, hidden, 32)
-    w2 = random_int4((experts,), hidden, inter, 32)
-    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    ids, gains = torch.tensor([[5]], device="cuda"), torch.ones(1, 1, device="cuda")
-    fused_moe(x, w13, w2, gains, ids)  # tunes
-    up, down = next(v for key, v in _TUNED.items() if key[0] == "moe_down")
-    w = random_int4((), 2112, 7168, 32)
-    x1 = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-    w4a16_matmul(x1, w)
-    cfg = next(v for key, v in _TUNED.items() if key[:4] == ("gemm", 1, 2112, 7168))
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    calls = [lambda m=m: fused_moe(x, w13, w2, gains, ids, (replace(up, prefetch_next=m), down))
-             for m in (0, 2)]  # fmt: skip
-    calls += [lambda p=p: w4a16_matmul(x1, w, replace(cfg, prefetch=p)) for p in (False, True)]
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for call in calls:
-        flush.zero_()
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-
-
 def main() -> None:
     if "--slice" in sys.argv:
         profile_slice_linears()
-        return
-    if "--prefetch" in sys.argv:
-        profile_prefetch()
         return
     w = random_int4((), 16384, 7168, 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)

@@ -333,50 +333,6 @@ def _dependent_launch(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# ``cp.async.bulk.prefetch.L2`` (sm_90): L2 fetches ``$2`` bytes at ``$1`` (both multiples of 16)
-# where ``$3`` is set; no register receives them and nothing waits for them
-_PREFETCH_L2 = tl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
-    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }"
-)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes, mask):
-    """Ask L2 for ``nbytes`` at each of ``ptrs`` where ``mask`` (16-byte aligned, multiples of
-    16): one bulk request per element, the bytes stream in while the program goes on."""
-    tl.inline_asm_elementwise(
-        _PREFETCH_L2, "=r,l,r,r", [ptrs.to(tl.int64), nbytes.to(tl.int32), mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_part(base, nbytes, part, parts):
-    """Ask L2 for part ``part`` of ``parts`` of the ``nbytes`` (a multiple of 16) at ``base`` (a
-    16-byte aligned byte pointer), in 128 bulk requests of equal size."""
-    per = tl.cdiv(tl.cdiv(nbytes, parts * 128), 16) * 16
-    start = (part * 128 + tl.arange(0, 128)).to(tl.int64) * per
-    size = tl.minimum(nbytes - start, per)
-    _prefetch_l2(base + start, size, size > 0)
-
-
-@triton.jit
-def _prefetch_tile(qw_ptr, s_ptr, row_begin, row_end, n0, N, stride_qk, stride_sk,
-                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Ask L2 for a program's weights: word rows ``[row_begin, row_end)`` and their scale rows,
-    columns ``n0`` to ``n0 + BLOCK_N`` (clipped at ``N``), one bulk request per row. The weights
-    are written by no earlier kernel, so this may run before the dependent-launch wait."""
-    cols = tl.minimum(N - n0, BLOCK_N)
-    for r in range(row_begin, row_end, 128):
-        rows = r + tl.arange(0, 128)
-        _prefetch_l2(qw_ptr + rows.to(tl.int64) * stride_qk + n0, cols * 4, rows < row_end)
-    g_end = tl.cdiv(row_end, GROUP // 8)
-    for g in range(row_begin // (GROUP // 8), g_end, 128):
-        groups = g + tl.arange(0, 128)
-        _prefetch_l2(s_ptr + groups.to(tl.int64) * stride_sk + n0, cols * 2, groups < g_end)
-
-
 # one compile for every M of a tile, and for every split count
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemm_kernel(
@@ -387,25 +343,20 @@ def _w4a16_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True,
-    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out[M, N] (+)= x[M, K] @ dequant(W)[K, N] for one (M, N) tile and one of ``split_k`` K
-    splits (``SPLIT``: ``split_k > 1``), stored by :func:`_store_tile`. ``PREFETCH``: the
-    tile's weights are asked into L2 before the dependent-launch wait."""
+    splits (``SPLIT``: ``split_k > 1``), stored by :func:`_store_tile`."""
+    _dependent_launch(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     # the token tiles of one column tile are neighbours, so they run together and all but the
     # first read its weights from L2
     num_m = tl.cdiv(M, BLOCK_M)
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k)
-    step_end = tl.minimum(tl.cdiv(K, BLOCK_K), (pid_k + 1) * per_split)
-    if PREFETCH and pid % num_m == 0:
-        _prefetch_tile(qw_ptr, s_ptr, pid_k * per_split * (BLOCK_K // 8),
-                       tl.minimum(step_end * (BLOCK_K // 8), K // 8), (pid // num_m) * BLOCK_N, N,
-                       stride_qk, stride_sk, GROUP, BLOCK_N)  # fmt: skip
-    _dependent_launch(PDL)
     offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k)
+    step_end = tl.minimum(tl.cdiv(K, BLOCK_K), (pid_k + 1) * per_split)
     acc = _w4a16_accumulate(
         tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32),
         x_ptr + offs_m[:, None] * stride_xm, m_mask, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K,
@@ -619,20 +570,13 @@ def _w4a16_gemv_kernel(
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
-    tile are neighbouring programs, so all but the first read it from L2. ``PREFETCH`` as in
-    the tile kernel."""
+    tile are neighbouring programs, so all but the first read it from L2."""
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     m = pid % M
-    if PREFETCH and m == 0:
-        per_split = tl.cdiv(tl.cdiv(K // 8, BLOCK_R), split_k) * BLOCK_R
-        row_begin = tl.program_id(1) * per_split
-        _prefetch_tile(qw_ptr, s_ptr, row_begin, tl.minimum(row_begin + per_split, K // 8),
-                       (pid // M) * BLOCK_N, N, stride_qk, stride_sk, GROUP, BLOCK_N)  # fmt: skip
-    _dependent_launch(PDL)
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     res = _gemv_sum(
@@ -688,9 +632,6 @@ class GemmConfig:
     # The decode slice's seven dense linears at one token: 1 took 0.94x the time of 0, 2 1.15x
     # (bench/results/w4a16_pdl.json): 1 by default
     pdl: int = 1
-    # with ``pdl``: each program asks L2 for its weights before the wait, so they stream in
-    # while the kernel before ends (the weights are written by no kernel; x is read after it)
-    prefetch: bool = True
 
 
 _TUNED: dict[tuple, object] = {}
@@ -846,7 +787,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         "num_warps": cfg.num_warps,
     }  # fmt: skip
     if cfg.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
-        common |= {"PDL": cfg.pdl, "launch_pdl": True, "PREFETCH": cfg.prefetch and _bulk_rows(w)}
+        common |= {"PDL": cfg.pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
             *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common
@@ -860,28 +801,13 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     return out.to(torch.bfloat16)  # a copy only of zeroed-output fp32 sums
 
 
-def _bulk_rows(w: W4A16Weight) -> bool:
-    """Whether every row of a column tile of ``w``'s words and scales is a bulk-prefetchable
-    range (16-byte aligned, a multiple of 16 bytes): N and the row strides multiples of 8,
-    aligned bases."""
-    q, s = w.qweight, w.scales
-    return (w.n % 8 == 0 and q.stride(0) % 8 == 0 and s.stride(0) % 8 == 0
-            and q.data_ptr() % 16 == 0 and s.data_ptr() % 16 == 0)  # fmt: skip
-
-
 _FLUSH: dict[torch.device, torch.Tensor] = {}
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache size."""
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
 
 
 def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     """A buffer twice the size of the GPU's L2 cache: zeroing it evicts the weights."""
     if device not in _FLUSH:
-        l2 = _l2_bytes(device)
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
         _FLUSH[device] = torch.empty(2 * max(l2, 8 << 20), dtype=torch.uint8, device=device)
     return _FLUSH[device]
 

@@ -28,8 +28,6 @@ from .w4a16_gemm import (
     _dependent_launch,
     _dependent_launches,
     _gemv_sum,
-    _l2_bytes,
-    _prefetch_part,
     _split_counts,
     _take_sums,
     _w4a16_accumulate,
@@ -149,28 +147,16 @@ def _epilogue(
     tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _prefetch_next(next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes, expert, part, parts):
-    """Part ``part`` of ``parts`` of ``expert``'s next weight (its words, then its scales:
-    ``next_*_bytes`` per expert) asked into L2, so that the next GEMM (the down projection,
-    launched after this one) reads it from there."""
-    words = next_w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + expert * next_w_bytes
-    _prefetch_part(words, next_w_bytes, part, parts)
-    scales = next_s_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + expert * next_s_bytes
-    _prefetch_part(scales, next_s_bytes, part, parts)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "split_k", "sum_rows"])
 def _moe_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, pair_ids_ptr, block_expert_ptr,
-    routing_ptr, next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes,
-    N, K, num_pairs, rows_per_x, split_k, sum_rows,
+    routing_ptr, N, K, num_pairs, rows_per_x, split_k, sum_rows,
     stride_xm, stride_we, stride_wk, stride_se, stride_sk,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, COUNTED: tl.constexpr = False,
-    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0, PREFETCH_NEXT: tl.constexpr = 0,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
     of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
@@ -178,9 +164,6 @@ def _moe_gemm_kernel(
     With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
     ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and the
     output is ``silu(gate) * up``, ``[pairs, N / 2]``: no ``[pairs, N]`` intermediate is stored.
-
-    ``PREFETCH_NEXT`` (1: at the start, 2: after the K loop): the block's expert's next weight
-    is asked into L2, split over the block's programs (:func:`_prefetch_next`).
     """
     _dependent_launch(PDL)
     pid = tl.program_id(0)
@@ -191,9 +174,6 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # a block past the last used one
         return
-    part, parts = (pid % num_n) * split_k + tl.program_id(1), num_n * split_k
-    if PREFETCH_NEXT == 1:
-        _prefetch_next(next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes, expert, part, parts)
     pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = pairs < num_pairs
     offs_o = (pid % num_n) * OUT_BN + tl.arange(0, OUT_BN)
@@ -219,8 +199,6 @@ def _moe_gemm_kernel(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
             step_begin, step_end, BLOCK_K, SWAP,
         )  # fmt: skip
-    if PREFETCH_NEXT == 2:
-        _prefetch_next(next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes, expert, part, parts)
     _epilogue(
         acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr,
         split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, COUNTED, SWAP, FENCE,
@@ -230,30 +208,24 @@ def _moe_gemm_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "split_k", "sum_rows"])
 def _moe_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, pair_ids_ptr, block_expert_ptr,
-    routing_ptr, next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes,
-    N, K, num_pairs, num_blocks, rows_per_x, split_k, sum_rows,
+    routing_ptr, N, K, num_pairs, num_blocks, rows_per_x, split_k, sum_rows,
     stride_xm, stride_we, stride_wk, stride_se, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0, PREFETCH_NEXT: tl.constexpr = 0,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
     one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
     the pair's expert, with no tensor-core tile padded to 8 rows for one. The parts meet in
     :func:`_epilogue`. The pairs of a column tile are neighbouring programs in expert order, so
-    pairs that share an expert read its tile from L2. ``PREFETCH_NEXT`` as in
-    :func:`_moe_gemm_kernel`."""
+    pairs that share an expert read its tile from L2."""
     _dependent_launch(PDL)
     pid = tl.program_id(0)
     block = pid % num_blocks
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # a block past the last used one
         return
-    num_n = tl.cdiv(N // 2 if SILU_MUL else N, BLOCK_N // 2 if SILU_MUL else BLOCK_N)
-    part, parts = (pid // num_blocks) * split_k + tl.program_id(1), num_n * split_k
-    if PREFETCH_NEXT == 1:
-        _prefetch_next(next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes, expert, part, parts)
     pairs = tl.load(pair_ids_ptr + block + tl.arange(0, 1))
     OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     out_n = N // 2 if SILU_MUL else N
@@ -269,8 +241,6 @@ def _moe_gemv_kernel(
         z_ptr + expert * stride_se, offs_n, n_mask, K, split_k, stride_wk, stride_sk, GROUP,
         HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
-    if PREFETCH_NEXT == 2:
-        _prefetch_next(next_w_ptr, next_s_ptr, next_w_bytes, next_s_bytes, expert, part, parts)
     _epilogue(
         res[None, :], out_ptr, ws_ptr, cnt_ptr, pairs, pairs < num_pairs, offs_o, o_mask, out_n,
         routing_ptr, split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, True, False, FENCE,
@@ -337,9 +307,6 @@ class MoeConfig:
     # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
     # ends, waiting for its results before reading anything)
     pdl: int = 1
-    # the up GEMM asks L2 for its experts' down weights (when they fit, :func:`_prefetch_down`):
-    # 0 never, 1 when a program starts, 2 after its K loop
-    prefetch_next: int = 2
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -417,14 +384,11 @@ def moe_gemm(
     routing: torch.Tensor | None = None,
     silu_mul: bool = False,
     sum_rows: int = 1,
-    prefetch: W4A16Weight | None = None,
 ) -> torch.Tensor:
     """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p``, times
     ``routing[p]`` when given, and each ``sum_rows`` consecutive pairs summed in fp32 (a token's
     top-k experts) -> bf16 ``[num_pairs / sum_rows, N]``. With ``silu_mul`` the weight's
     columns are gate then up and the result is ``silu(gate) * up``, ``[num_pairs, N / 2]``.
-    ``prefetch``: the next GEMM's INT4 experts (same expert count), whose weights of the experts
-    used here are asked into L2 (``config.prefetch_next``) for that GEMM to read.
 
     K splits and the CUDA-core path meet in the device's self-resetting fp32 sums and int32
     counts (:func:`workspace_size`, :func:`counted_workspace`); unsplit tensor-core tiles store
@@ -449,7 +413,7 @@ def moe_gemm(
     grid = (block_expert.numel() * triton.cdiv(out_n, out_bn), config.split_k)
     args = (
         x, weight, scales, zeros, out, sums, counts, pair_ids, block_expert,
-        routing if routing is not None else x, *_next_weight_args(prefetch, x),
+        routing if routing is not None else x,
     )  # fmt: skip
     common = {
         "GROUP": group, "HAS_ZEROS": has_zeros, "MUL_ROUTING": routing is not None,
@@ -459,8 +423,6 @@ def moe_gemm(
     }  # fmt: skip
     if config.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
         common |= {"PDL": config.pdl, "launch_pdl": True}
-    if prefetch is not None and not interpreted():
-        common["PREFETCH_NEXT"] = config.prefetch_next
     if gemv:
         _moe_gemv_kernel[grid](
             *args, n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k, summed,
@@ -477,29 +439,6 @@ def moe_gemm(
     if sum_rows > summed:
         return _topk_sum(out, num_pairs // sum_rows, sum_rows)
     return out
-
-
-def _next_weight_args(w: W4A16Weight | None, x: torch.Tensor) -> tuple:
-    """The next weight's words and scales and their bytes per expert (unused pointers and 0
-    without one)."""
-    if w is None:
-        return x, x, 0, 0
-    q, s = w.qweight, w.scales
-    return q, s, q.stride(0) * q.element_size(), s.stride(0) * s.element_size()
-
-
-def _prefetch_down(w2: W4A16Weight | torch.Tensor, num_pairs: int, l2_bytes: int) -> bool:
-    """Whether the up GEMM should ask L2 for the down weights of the experts it runs: INT4
-    experts stored whole per expert (contiguous, 16-byte multiples), of which the most that
-    ``num_pairs`` can touch fit in half of the L2 (more would be evicted before the down GEMM
-    reads them, and stream twice)."""
-    if not isinstance(w2, W4A16Weight):
-        return False
-    q, s = w2.qweight, w2.scales
-    per_expert = q[0].numel() * q.element_size() + s[0].numel() * s.element_size()
-    whole = q.is_contiguous() and s.is_contiguous() and per_expert % 16 == 0
-    aligned = q.data_ptr() % 16 == 0 and s.data_ptr() % 16 == 0 and s[0].nbytes % 16 == 0
-    return whole and aligned and min(num_pairs, q.shape[0]) * per_expert <= l2_bytes // 2
 
 
 def workspace_size(num_pairs: int, n: int, silu_mul: bool, sum_rows: int) -> tuple[int, int]:
@@ -593,15 +532,13 @@ def fused_moe(
         raise ValueError("w13 and w2 must hold the same number of experts")
     num_pairs = tokens * top_k
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
-    prefetch = x.is_cuda and _prefetch_down(w2, num_pairs, _l2_bytes(x.device))
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
         # launches: align, up GEMM with SiLU-and-mul, down GEMM x routing with the top-k sum
         # (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True,
-                       prefetch=w2 if prefetch else None)  # fmt: skip
+        act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
         return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,

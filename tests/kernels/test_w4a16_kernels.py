@@ -359,19 +359,6 @@ def test_fused_moe_rejects_mismatched_routing():
         fused_moe(make_x(3, 128, 0), w, w2, torch.ones(3, 1, device=DEVICE), ids)
 
 
-def test_down_prefetch_rule():
-    """The up GEMM asks L2 for the down weights only of INT4 experts stored whole, and only
-    when the most experts the pairs can touch fit in half the L2."""
-    w2 = make_weight((4, 128, 64), 32, True, seed=2)  # per expert: 4,096 B words + 512 B scales
-    per_expert = 4096 + 512
-    assert moe_module._prefetch_down(w2, 2, 4 * per_expert)
-    assert not moe_module._prefetch_down(w2, 3, 4 * per_expert)
-    assert moe_module._prefetch_down(w2, 100, 8 * per_expert)  # at most the 4 experts
-    halves = W4A16Weight(w2.qweight[:, :, :64], w2.scales[:, :, :64], None, 32)
-    assert not moe_module._prefetch_down(halves, 1, 1 << 30)  # not contiguous per expert
-    assert not moe_module._prefetch_down(dequantize(w2, torch.bfloat16), 1, 1 << 30)
-
-
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("m", [1, 16])
@@ -408,26 +395,6 @@ def test_dependent_launches_match_plain_ones(pdl):
             assert torch.equal(b, a), cfg
         else:
             assert rel_l2(b, ref) <= max(2 * rel_l2(a, ref), REL_L2 / 10), cfg
-
-
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("n,k", [(7168, 2048), (2112, 7168), (1500, 1536)])
-def test_prefetch_before_the_wait_changes_nothing(n, k):
-    """``GemmConfig.prefetch`` (each program asks L2 for its weights before the dependent-launch
-    wait) on every one-token candidate, N a multiple of 8 (prefetched) and not (1500: then the
-    launcher leaves it off): unsplit tiles give the same bits as without, split ones match the
-    reference as closely."""
-    w = make_weight((n, k), 32, True, seed=n)
-    x = make_x(1, k, seed=k)
-    ref = w4a16_matmul_reference(x, w)
-    for cfg in _candidates(1, n, k):
-        runs = [w4a16_matmul(x, w, dataclasses.replace(cfg, pdl=1, prefetch=p))
-                for p in (False, True)]  # fmt: skip
-        if cfg.split_k == 1:
-            assert torch.equal(runs[1], runs[0]), cfg
-        else:
-            assert rel_l2(runs[1], ref) <= max(2 * rel_l2(runs[0], ref), REL_L2 / 10), cfg
 
 
 @gpu
@@ -497,30 +464,6 @@ def test_moe_dependent_launches_match_plain_ones():
             assert torch.equal(runs[1], runs[0]), cfg
         else:
             assert rel_l2(runs[1], ref) <= max(2 * rel_l2(runs[0], ref), REL_L2 / 10), cfg
-
-
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("pairs", [1, 3])
-def test_moe_down_prefetch_changes_nothing(pairs):
-    """The up GEMM asking L2 for the down weights (``MoeConfig.prefetch_next`` 1 and 2) on
-    every one-token candidate of one EP-8 GPU's 48 Kimi K2 experts at 1 and 3 pairs (3 experts'
-    down weights, 24.8 MB, fit the half-L2 rule): each matches the reference as closely as
-    without (the down GEMM's K parts meet in fp32 atomics, in any order)."""
-    experts, hidden, inter = 48, 7168, 2048
-    g = torch.Generator(device="cuda").manual_seed(9)
-    w13 = random_experts(experts, 2 * inter, hidden, g)
-    w2 = random_experts(experts, hidden, inter, g)
-    assert moe_module._prefetch_down(w2, pairs, moe_module._l2_bytes(w2.qweight.device))
-    x = make_x(pairs, hidden, seed=pairs)
-    ids = torch.randperm(experts, generator=g, device="cuda")[:pairs, None]
-    weights = torch.ones(pairs, 1, device="cuda")
-    ref = reference_on_used_experts(x, w13, w2, weights, ids)
-    for cfg in moe_module._candidates(pairs, experts, 2 * inter, True):
-        runs = [fused_moe(x, w13, w2, weights, ids, (c, c)) for c in
-                (dataclasses.replace(cfg, prefetch_next=p) for p in (0, 1, 2))]  # fmt: skip
-        for run in runs[1:]:
-            assert rel_l2(run, ref) <= max(2 * rel_l2(runs[0], ref), REL_L2 / 10), cfg
 
 
 @gpu
