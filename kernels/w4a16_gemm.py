@@ -525,7 +525,6 @@ def _gemv_sum(
     x_row, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """fp32 ``[BLOCK_N]``: the activations at ``x_row`` times the dequantized columns
     ``offs_n``, over this program's part (``program_id(1)`` of ``split_k``) of K, on CUDA cores:
@@ -537,11 +536,7 @@ def _gemv_sum(
     Triton pipelines only loads that feed a dot, so the next step's words are loaded into
     registers before this step's are decoded (the last step reloads its own). Loads pipelined
     through shared memory instead (``tl.range(..., num_stages=3)``) measured slower on the
-    H200 (27.6 against 26.4 us, bench/results/w4a16_gemm_v5.json).
-
-    ``PDL``: the dependent-launch wait (:func:`_dependent_launch`) comes after the first step's
-    words are requested, so they stream in while the kernel before ends; the caller must not
-    let the kernel before write the weights or anything read before the call."""
+    H200 (27.6 against 26.4 us, bench/results/w4a16_gemm_v5.json)."""
     offs_r = tl.arange(0, BLOCK_R)
     rows_total = K // 8
     steps = tl.cdiv(rows_total, BLOCK_R)
@@ -553,7 +548,6 @@ def _gemv_sum(
         qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask, rows_total,
         stride_qk, BLOCK_R, EVEN_K, EVEN_N,
     )  # fmt: skip
-    _dependent_launch(PDL)
     for step in range(step_begin, step_end):
         next_words = _gemv_load_words(
             qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
@@ -576,22 +570,18 @@ def _w4a16_gemv_kernel(
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
-    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
-    tile are neighbouring programs, so all but the first read it from L2. ``EARLY``: the
-    dependent-launch wait after the first weights are requested (the weights are written by
-    no kernel)."""
-    if not EARLY:
-        _dependent_launch(PDL)
+    tile are neighbouring programs, so all but the first read it from L2."""
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     res = _gemv_sum(
         x_ptr + m * stride_xm, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk,
-        stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N, PDL * EARLY,
+        stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
     _store_tile(out_ptr, ws_ptr, cnt_ptr, m * stride_om + offs_n, res, n_mask, split_k, SPLIT,
                 COUNTED, FENCE)  # fmt: skip
@@ -642,8 +632,6 @@ class GemmConfig:
     # The decode slice's seven dense linears at one token: 1 took 0.94x the time of 0, 2 1.15x
     # (bench/results/w4a16_pdl.json): 1 by default
     pdl: int = 1
-    # with ``pdl``, the gemv path requests its first weights before the wait
-    early_weights: bool = True
 
 
 _TUNED: dict[tuple, object] = {}
@@ -802,7 +790,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         common |= {"PDL": cfg.pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
-            *args, BLOCK_R=cfg.block_k // PACK, EARLY=cfg.early_weights, num_stages=1, **common
+            *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common
         )
     else:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)

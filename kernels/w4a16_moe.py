@@ -213,17 +213,14 @@ def _moe_gemv_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0, EARLY: tl.constexpr = False,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
     one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
     the pair's expert, with no tensor-core tile padded to 8 rows for one. The parts meet in
     :func:`_epilogue`. The pairs of a column tile are neighbouring programs in expert order, so
-    pairs that share an expert read its tile from L2. ``EARLY``: the blocks are read and the
-    first weights requested before the dependent-launch wait (the blocks must not come from the
-    kernel right before)."""
-    if not EARLY:
-        _dependent_launch(PDL)
+    pairs that share an expert read its tile from L2."""
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     block = pid % num_blocks
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -242,7 +239,7 @@ def _moe_gemv_kernel(
     res = _gemv_sum(
         x_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
         z_ptr + expert * stride_se, offs_n, n_mask, K, split_k, stride_wk, stride_sk, GROUP,
-        HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N, PDL * EARLY,
+        HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
     _epilogue(
         res[None, :], out_ptr, ws_ptr, cnt_ptr, pairs, pairs < num_pairs, offs_o, o_mask, out_n,
@@ -310,9 +307,6 @@ class MoeConfig:
     # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
     # ends, waiting for its results before reading anything)
     pdl: int = 1
-    # with ``pdl``, the gemv path of a GEMM whose expert blocks were not aligned by the kernel
-    # right before (the down GEMM) reads them and requests its first weights before the wait
-    early_weights: bool = True
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -390,7 +384,6 @@ def moe_gemm(
     routing: torch.Tensor | None = None,
     silu_mul: bool = False,
     sum_rows: int = 1,
-    blocks_aligned_before: bool = True,
 ) -> torch.Tensor:
     """``out[p] = x[p // rows_per_x] @ W_{expert(p)}`` for every pair ``p``, times
     ``routing[p]`` when given, and each ``sum_rows`` consecutive pairs summed in fp32 (a token's
@@ -399,9 +392,7 @@ def moe_gemm(
 
     K splits and the CUDA-core path meet in the device's self-resetting fp32 sums and int32
     counts (:func:`workspace_size`, :func:`counted_workspace`); unsplit tensor-core tiles store
-    each pair's row, summed over ``sum_rows`` by one more launch. ``blocks_aligned_before``:
-    ``pair_ids`` and ``block_expert`` may come from the kernel right before this one (else the
-    gemv path may read them before its dependent-launch wait)."""
+    each pair's row, summed over ``sum_rows`` by one more launch."""
     weight, scales, zeros, (swe, swk, sse, ssk), int4, group, has_zeros, n, k = _weight_args(w)
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [rows, {k}] with unit last stride, got {tuple(x.shape)}")
@@ -436,8 +427,7 @@ def moe_gemm(
         _moe_gemv_kernel[grid](
             *args, n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k, summed,
             x.stride(0), swe, swk, sse, ssk,
-            BLOCK_R=config.block_k // 8, EARLY=config.early_weights and not blocks_aligned_before,
-            num_stages=1, **common,
+            BLOCK_R=config.block_k // 8, num_stages=1, **common,
         )  # fmt: skip
     else:
         _moe_gemm_kernel[grid](
@@ -549,11 +539,10 @@ def fused_moe(
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
         act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
-        realigned = down_cfg.block_m != up_cfg.block_m
-        if realigned:
+        if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
         return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,
-                        sum_rows=top_k, blocks_aligned_before=realigned)  # fmt: skip
+                        sum_rows=top_k)  # fmt: skip
 
     if configs is None:
         if interpreted():
