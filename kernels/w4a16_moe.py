@@ -15,7 +15,7 @@ bf16 experts (plain ``[E, K, N]`` tensors) with only the weight decode changed, 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,6 @@ from .w4a16_gemm import (
     _dependent_launch,
     _dependent_launches,
     _gemv_sum,
-    _gpu_fence,
     _split_counts,
     _take_sums,
     _w4a16_accumulate,
@@ -146,7 +145,6 @@ def _epilogue(
             mask = _add_counted(ws_ptr + idx, cnt_ptr + idx, acc, mask, parts, FENCE)
             res = _take_sums(ws_ptr + idx, mask)
     tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=mask)
-    return mask
 
 
 @triton.jit(do_not_specialize=["num_pairs", "split_k", "sum_rows"])
@@ -161,39 +159,14 @@ def _moe_gemm_kernel(
     FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
-    of K (:func:`_moe_tile`)."""
-    _dependent_launch(PDL)
-    _moe_tile(
-        tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr,
-        cnt_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, cnt_ptr, 0, 0, N, K, num_pairs,
-        rows_per_x, split_k, sum_rows, stride_xm, stride_we, stride_wk, stride_se, stride_sk,
-        INT4, GROUP, HAS_ZEROS, MUL_ROUTING, BLOCK_M, BLOCK_N, BLOCK_K, FAST, EVEN_K, EVEN_N,
-        SWAP, SILU_MUL, COUNTED, FENCE, 0,
-    )  # fmt: skip
-
-
-@triton.jit
-def _moe_tile(
-    pid, pid_k, x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, pair_ids_ptr,
-    block_expert_ptr, routing_ptr, ready_ptr, ranges, range_cols, N, K, num_pairs, rows_per_x,
-    split_k, sum_rows, stride_xm, stride_we, stride_wk, stride_se, stride_sk,
-    INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SWAP: tl.constexpr,
-    SILU_MUL: tl.constexpr, COUNTED: tl.constexpr, FENCE: tl.constexpr, STAGE: tl.constexpr,
-):  # fmt: skip
-    """One expert block x N tile (program ``pid``), over part ``pid_k`` of ``split_k`` of K,
-    stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
+    of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
 
     With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
     ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and the
     output is ``silu(gate) * up``, ``[pairs, N / 2]``: no ``[pairs, N]`` intermediate is stored.
-
-    ``STAGE`` in the one-launch MoE (:func:`_moe_fused_kernel`): 1, the up GEMM, adds the
-    elements it stored to its block's count for their ``range_cols``-wide column range; 2, the
-    down GEMM, waits until the count of its block and K part says its inputs are all stored
-    (:func:`_wait_stored`). 0 otherwise.
     """
+    _dependent_launch(PDL)
+    pid = tl.program_id(0)
     OUT_BN: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     out_n = N // 2 if SILU_MUL else N
     num_n = tl.cdiv(out_n, OUT_BN)
@@ -213,12 +186,8 @@ def _moe_tile(
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(steps, split_k)
-    step_begin = pid_k * per_split
+    step_begin = tl.program_id(1) * per_split
     step_end = tl.minimum(steps, step_begin + per_split)
-    if STAGE == 2:
-        cols = tl.minimum(K - step_begin * BLOCK_K, per_split * BLOCK_K)
-        _wait_stored(ready_ptr + block * split_k + pid_k, tl.sum(m_mask.to(tl.int32)) * cols,
-                     FENCE)  # fmt: skip
     if INT4:
         acc = _w4a16_accumulate(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
@@ -230,88 +199,10 @@ def _moe_tile(
             acc, x_rows, m_mask, w_ptr + expert * stride_we, offs_n, n_mask, K, stride_wk,
             step_begin, step_end, BLOCK_K, SWAP,
         )  # fmt: skip
-    stored = _epilogue(
+    _epilogue(
         acc, out_ptr, ws_ptr, cnt_ptr, pairs, m_mask, offs_o, o_mask, out_n, routing_ptr,
         split_k * sum_rows, sum_rows, MUL_ROUTING, SILU_MUL, COUNTED, SWAP, FENCE,
     )  # fmt: skip
-    if STAGE == 1:
-        count = ready_ptr + block * ranges + (pid % num_n) * OUT_BN // range_cols
-        _count_stored(count, tl.sum(tl.sum(stored.to(tl.int32), axis=1), axis=0), FENCE)
-
-
-@triton.jit
-def _count_stored(count, stored, FENCE: tl.constexpr):
-    """Add this program's ``stored`` elements to ``count`` once every thread's stores are
-    done: a barrier, a GPU fence in each thread (release), one atomic."""
-    tl.debug_barrier()
-    zero = _gpu_fence(tl.program_id(0) * 0, FENCE)
-    tl.atomic_add(count + zero, stored, sem="relaxed")
-
-
-@triton.jit
-def _wait_stored(count, expected, FENCE: tl.constexpr):
-    """Spin until ``count`` reaches ``expected``, then a GPU fence in each thread (acquire) and a
-    barrier: the stores counted there are then visible to every thread of the program. The
-    count is left as it is (:func:`_moe_fused_kernel` resets it)."""
-    seen = tl.atomic_add(count, 0, sem="relaxed")
-    while seen < expected:
-        seen = tl.atomic_add(count, 0, sem="relaxed")
-    _gpu_fence(seen * 0, FENCE)
-    tl.debug_barrier()
-
-
-@triton.jit(do_not_specialize=["num_pairs", "up_programs", "up_split", "down_split", "sum_rows"])
-def _moe_fused_kernel(
-    x_ptr, w13_ptr, s13_ptr, z13_ptr, act_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
-    ws_up_ptr, cnt_up_ptr, ws_down_ptr, cnt_down_ptr, ready_ptr, seen_ptr,
-    pair_ids_ptr, block_expert_ptr, routing_ptr,
-    H, I, num_pairs, rows_per_x, up_programs, up_split, down_split, sum_rows,
-    stride_xm, stride_w13e, stride_w13k, stride_s13e, stride_s13k,
-    stride_w2e, stride_w2k, stride_s2e, stride_s2k,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
-    UP_BLOCK_N: tl.constexpr, DOWN_BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FAST: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr,
-    UP_EVEN_N: tl.constexpr, DOWN_EVEN_N: tl.constexpr, UP_COUNTED: tl.constexpr,
-    DOWN_COUNTED: tl.constexpr, FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
-):  # fmt: skip
-    """The whole INT4 MoE after the alignment in one launch: programs ``[0, up_programs)`` run
-    the up GEMM with SiLU-and-mul (:func:`_moe_tile`, stage 1) into ``act``, the rest the down
-    GEMM x routing with the top-k sum (stage 2). A down program waits only for the part of
-    ``act`` its K part reads, counted per (expert block, K part) in ``ready``: up programs have
-    the lower ids, so they are scheduled first and a waiting down program never holds an SM an
-    unfinished up program needs. The last down program of a (block, K part) to pass its wait
-    resets the count (``seen`` counts them), so the counts are zero after every launch."""
-    _dependent_launch(PDL)
-    pid = tl.program_id(0)
-    range_cols = tl.cdiv(tl.cdiv(I, BLOCK_K), down_split) * BLOCK_K
-    if pid < up_programs:
-        tiles = up_programs // up_split
-        _moe_tile(
-            pid % tiles, pid // tiles, x_ptr, w13_ptr, s13_ptr, z13_ptr, act_ptr, ws_up_ptr,
-            cnt_up_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, ready_ptr, down_split,
-            range_cols, 2 * I, H, num_pairs, rows_per_x, up_split, 1, stride_xm, stride_w13e,
-            stride_w13k, stride_s13e, stride_s13k, True, GROUP, HAS_ZEROS, False, BLOCK_M,
-            UP_BLOCK_N, BLOCK_K, FAST, EVEN_H, UP_EVEN_N, True, True, UP_COUNTED, FENCE, 1,
-        )  # fmt: skip
-    else:
-        d = pid - up_programs
-        num_n = tl.cdiv(H, DOWN_BLOCK_N)
-        tiles = tl.num_programs(0) - up_programs
-        tile, part = d % (tiles // down_split), d // (tiles // down_split)
-        _moe_tile(
-            tile, part, act_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, ws_down_ptr, cnt_down_ptr,
-            pair_ids_ptr, block_expert_ptr, routing_ptr, ready_ptr, down_split, range_cols, H,
-            I, num_pairs, 1, down_split, sum_rows, I, stride_w2e, stride_w2k, stride_s2e,
-            stride_s2k, True, GROUP, HAS_ZEROS, True, BLOCK_M, DOWN_BLOCK_N, BLOCK_K, FAST,
-            EVEN_I, DOWN_EVEN_N, True, False, DOWN_COUNTED, FENCE, 2,
-        )  # fmt: skip
-        # every down program of this block and K part has passed its wait: reset the count
-        block = tile // num_n
-        if tl.load(block_expert_ptr + block) >= 0:
-            at = block * down_split + part
-            if tl.atomic_add(seen_ptr + at, 1, sem="relaxed") == num_n - 1:
-                tl.atomic_xchg(ready_ptr + at, 0, sem="relaxed")
-                tl.atomic_xchg(seen_ptr + at, 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "split_k", "sum_rows"])
@@ -416,9 +307,6 @@ class MoeConfig:
     # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
     # ends, waiting for its results before reading anything)
     pdl: int = 1
-    # on the down GEMM's config: it runs in the up GEMM's launch (:func:`_moe_fused_kernel`;
-    # tensor-core tiles with the weights first, the up tile's rows, warps, stages and K step)
-    one_launch: bool = False
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -553,74 +441,6 @@ def moe_gemm(
     return out
 
 
-def _one_launch_fits(up: MoeConfig, down: MoeConfig, inter: int, top_k: int) -> bool:
-    """Whether ``down`` may run in ``up``'s launch: both tensor-core tiles with the weights
-    first and the same rows, warps, stages and K step; the down GEMM's K parts cover whole up
-    column tiles; the top-k sum inside the launch (K split) unless top-k is 1."""
-    same = (up.block_m, up.num_warps, up.num_stages, up.block_k) == (
-        down.block_m, down.num_warps, down.num_stages, down.block_k)  # fmt: skip
-    tiles = all(c.path == "triton" and c.swap for c in (up, down))
-    part_cols = triton.cdiv(triton.cdiv(inter, down.block_k), down.split_k) * down.block_k
-    return same and tiles and part_cols % (up.block_n // 2) == 0 and (
-        down.split_k > 1 or top_k == 1)  # fmt: skip
-
-
-def moe_one_launch(
-    x: torch.Tensor,
-    w13: W4A16Weight,
-    w2: W4A16Weight,
-    pair_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    top_k: int,
-    routing: torch.Tensor,
-    up: MoeConfig,
-    down: MoeConfig,
-) -> torch.Tensor:
-    """The up GEMM with SiLU-and-mul and the down GEMM x routing with the top-k sum in one
-    launch (:func:`_moe_fused_kernel`), over the pairs of :func:`align_to_experts` at
-    ``up.block_m`` rows a block -> bf16 ``[tokens, H]``. Uses the device's self-resetting
-    workspace for both GEMMs' sums and the per-(block, K part) counts."""
-    if not _one_launch_fits(up, down, w2.k, top_k):
-        raise ValueError(f"{down} cannot run in the launch of {up}")
-    if (w13.group_size, w13.zeros is None) != (w2.group_size, w2.zeros is None):
-        raise ValueError("one launch needs the same group size and zero points in w13 and w2")
-    num_pairs = x.shape[0] * top_k
-    hidden, inter = w13.k, w2.k
-    act = torch.empty((num_pairs, inter), dtype=torch.bfloat16, device=x.device)
-    down_counted = down.split_k > 1
-    out = torch.empty((num_pairs // (top_k if down_counted else 1), hidden), dtype=torch.bfloat16,
-                      device=x.device)  # fmt: skip
-    up_sums, up_counts = workspace_size(num_pairs, 2 * inter, True, 1)
-    down_sums, down_counts = workspace_size(num_pairs, hidden, False, top_k)
-    parts = block_expert.numel() * down.split_k
-    sums, counts = counted_workspace(x.device, up_sums + down_sums,
-                                     up_counts + down_counts + 2 * parts)  # fmt: skip
-    ready = counts[up_counts + down_counts:]
-    up_programs = block_expert.numel() * triton.cdiv(inter, up.block_n // 2) * up.split_k
-    down_programs = block_expert.numel() * triton.cdiv(hidden, down.block_n) * down.split_k
-    z13 = w13.zeros if w13.zeros is not None else w13.scales  # unused pointer when symmetric
-    z2 = w2.zeros if w2.zeros is not None else w2.scales
-    common = {"FENCE": not interpreted(), "num_warps": up.num_warps, "num_stages": up.num_stages}
-    if up.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
-        common |= {"PDL": up.pdl, "launch_pdl": True}
-    _moe_fused_kernel[(up_programs + down_programs,)](
-        x, w13.qweight, w13.scales, z13, act, w2.qweight, w2.scales, z2, out,
-        sums[:up_sums], counts[:up_counts], sums[up_sums:], counts[up_counts:], ready,
-        ready[parts:], pair_ids, block_expert, routing,
-        hidden, inter, num_pairs, top_k, up_programs, up.split_k, down.split_k, top_k,
-        x.stride(0), w13.qweight.stride(0), w13.qweight.stride(1), w13.scales.stride(0),
-        w13.scales.stride(1), w2.qweight.stride(0), w2.qweight.stride(1), w2.scales.stride(0),
-        w2.scales.stride(1),
-        GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_M=up.block_m,
-        UP_BLOCK_N=up.block_n, DOWN_BLOCK_N=down.block_n, BLOCK_K=up.block_k,
-        FAST=up.fast_decode and not interpreted(), EVEN_H=hidden % up.block_k == 0,
-        EVEN_I=inter % up.block_k == 0, UP_EVEN_N=inter % (up.block_n // 2) == 0,
-        DOWN_EVEN_N=hidden % down.block_n == 0, UP_COUNTED=up.split_k > 1,
-        DOWN_COUNTED=down_counted, **common,
-    )  # fmt: skip
-    return out
-
-
 def workspace_size(num_pairs: int, n: int, silu_mul: bool, sum_rows: int) -> tuple[int, int]:
     """(fp32 sums, int32 counts) a counted :func:`moe_gemm` needs: one count per output
     element, and gate and up sums with ``silu_mul``."""
@@ -718,9 +538,6 @@ def fused_moe(
         # (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
         pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
-        if down_cfg.one_launch:
-            return moe_one_launch(x, w13, w2, pair_ids, block_expert, top_k, routing, up_cfg,
-                                  down_cfg)  # fmt: skip
         act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
         if down_cfg.block_m != up_cfg.block_m:
             pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
@@ -731,13 +548,12 @@ def fused_moe(
         if interpreted():
             configs = (MoeConfig(block_n=32), MoeConfig(block_n=32))
         else:
-            configs = _tune(x, w13, w2, num_pairs, num_experts, top_k, run)
+            configs = _tune(x, w13, w2, num_pairs, num_experts, run)
     return run(configs)
 
 
-def _tune(x, w13, w2, num_pairs, num_experts, top_k, run) -> tuple[MoeConfig, MoeConfig]:
-    """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile,
-    in its own launch or (INT4, where it fits) in the up GEMM's."""
+def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig]:
+    """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile."""
     kind = "int4" if isinstance(w13, W4A16Weight) else "bf16"
     shape = (x.shape[0], num_experts, tuple(x.shape[1:]), kind, torch.cuda.get_device_name())
     tiles = _candidates(num_pairs, num_experts)
@@ -746,9 +562,6 @@ def _tune(x, w13, w2, num_pairs, num_experts, top_k, run) -> tuple[MoeConfig, Mo
     up_cands = _candidates(num_pairs, num_experts, _num_columns(w13), int4)
     up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run)[0]
     down_cands = _candidates(num_pairs, num_experts, _num_columns(w2), int4)
-    if int4 and (w13.group_size, w13.zeros is None) == (w2.group_size, w2.zeros is None):
-        down_cands += [replace(c, one_launch=True) for c in down_cands
-                       if _one_launch_fits(up, c, w2.k, top_k)]  # fmt: skip
     return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run)
 
 

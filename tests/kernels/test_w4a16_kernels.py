@@ -244,41 +244,6 @@ def moe_case(experts, hidden, inter, tokens, top_k, g13, g2, symmetric, seed):
     return w13, w2, x, ids.to(DEVICE), weights.to(DEVICE)
 
 
-@pytest.mark.parametrize("top_k,split", [(3, 2), (1, 1), (1, 3)])
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_moe_one_launch_matches_two(top_k, split, symmetric):
-    """The up and down GEMMs in one launch (``MoeConfig.one_launch``): the same result as the
-    two launches, within the fp32 sums' order; K split or not, the top-k sum in the launch or
-    (top 1) none; and the per-(block, K part) counts and the sums back at zero afterwards, so
-    the next call starts clean."""
-    experts, hidden, inter, tokens = 5, 256, 256, 4
-    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, 32, 32,
-                                        symmetric, seed=3)  # fmt: skip
-    up = MoeConfig(8, 64, 128, 4, 1, swap=True, split_k=2)
-    down = MoeConfig(8, 64, 128, 4, 1, swap=True, split_k=split)
-    ref = fused_moe_reference(x, w13, w2, weights, ids)
-    two = fused_moe(x, w13, w2, weights, ids, configs=(up, down))
-    fused = (up, dataclasses.replace(down, one_launch=True))
-    one = fused_moe(x, w13, w2, weights, ids, configs=fused)
-    assert one.shape == (tokens, hidden)
-    assert rel_l2(one, ref) <= max(2 * rel_l2(two, ref), REL_L2 / 10)
-    again = fused_moe(x, w13, w2, weights, ids, configs=fused)
-    assert rel_l2(again, one) <= 1e-6
-    assert workspace_is_zero()
-
-
-def test_moe_one_launch_refuses_what_it_cannot_run():
-    up = MoeConfig(8, 64, 128, 4, 1, swap=True, split_k=2)
-    assert moe_module._one_launch_fits(up, dataclasses.replace(up, block_n=128), 2048, 8)
-    assert not moe_module._one_launch_fits(up, dataclasses.replace(up, num_warps=8), 2048, 8)
-    assert not moe_module._one_launch_fits(up, dataclasses.replace(up, split_k=1), 2048, 8)
-    assert moe_module._one_launch_fits(up, dataclasses.replace(up, split_k=1), 2048, 1)
-    assert not moe_module._one_launch_fits(up, dataclasses.replace(up, swap=False), 2048, 1)
-    # 2 K parts of 640 inputs are 384 wide: not whole 256-wide up tiles (512 columns)
-    assert not moe_module._one_launch_fits(dataclasses.replace(up, block_n=512), up, 640, 8)
-    assert moe_module._one_launch_fits(dataclasses.replace(up, block_n=256), up, 640, 8)
-
-
 @pytest.mark.parametrize("experts,hidden,inter,tokens,top_k,g13,g2,symmetric", MOE_CASES)
 def test_fused_moe_matches_reference(experts, hidden, inter, tokens, top_k, g13, g2, symmetric):
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
@@ -499,35 +464,6 @@ def test_moe_dependent_launches_match_plain_ones():
             assert torch.equal(runs[1], runs[0]), cfg
         else:
             assert rel_l2(runs[1], ref) <= max(2 * rel_l2(runs[0], ref), REL_L2 / 10), cfg
-
-
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("experts,tokens,top_k", [(48, 1, 1), (48, 3, 1), (384, 1, 8)])
-def test_moe_one_launch_real_shapes(experts, tokens, top_k):
-    """The up and down GEMMs in one launch at Kimi K2's expert shapes (group 32): one EP-8
-    GPU's experts at 1 and 3 pairs (top 1 after dispatch) and all 384 at one token (top 8, the
-    sum in the launch), each down tile that fits the decode up tiles, 20 calls each: every call
-    as close to the reference as the two launches, and the workspace zero after."""
-    hidden, inter = 7168, 2048
-    g = torch.Generator(device="cuda").manual_seed(11)
-    w13 = random_experts(experts, 2 * inter, hidden, g)
-    w2 = random_experts(experts, hidden, inter, g)
-    x = make_x(tokens, hidden, seed=tokens)
-    ids = torch.randperm(experts, generator=g, device="cuda")[:tokens * top_k]
-    ids = ids.view(tokens, top_k)
-    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
-    ref = reference_on_used_experts(x, w13, w2, weights, ids)
-    cands = moe_module._candidates(tokens * top_k, experts, 2 * inter, True)
-    for up in (c for c in cands if c.swap and c.split_k > 1):
-        for down in (c for c in cands if moe_module._one_launch_fits(up, c, inter, top_k)):
-            two = rel_l2(fused_moe(x, w13, w2, weights, ids, (up, down)), ref)
-            fused = (up, dataclasses.replace(down, one_launch=True))
-            for _ in range(20):
-                out = fused_moe(x, w13, w2, weights, ids, fused)
-                assert rel_l2(out, ref) <= max(2 * two, REL_L2 / 10), (up, down)
-    torch.cuda.synchronize()
-    assert workspace_is_zero()
 
 
 @gpu
