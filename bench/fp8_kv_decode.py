@@ -49,6 +49,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8_ref,
 )
 from tessera.kernels.paged_decode_split import (
+    MLA_FP8_E4M3,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -421,6 +422,8 @@ MLA_PEER_VARIANTS = {
     # the Triton one (also what runs off Hopper) and the Gluon one, each timed everywhere
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
+    # both products in e4m3, nothing widened (q and p in two e4m3 parts, V^T in shared memory)
+    "e4m3": ("fp8", MLA_FP8_E4M3),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),
@@ -493,7 +496,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "triton64")
+            keep = ("triton", "wgmma", "e4m3", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

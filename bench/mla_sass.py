@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel
 from tessera.kernels.mla_decode_heads import mla_heads_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
@@ -78,13 +79,14 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
-    fp8: bool = True,
+    fp8: bool = True, e4m3: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
-    (``mla_decode_wgmma.py``), from 64 heads the heads-as-M kernel (``mla_decode_heads.py``,
-    BF16 or FP8). Its shared memory in bytes, registers and stack (``resources``), each
-    partition's register limit (``setmaxnreg``), and whether its SASS has wgmma and how many
-    spill instructions. ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
+    (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``), from 64 heads the
+    heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8). Its shared memory in bytes,
+    registers and stack (``resources``), each partition's register limit (``setmaxnreg``), and
+    whether its SASS has wgmma and how many spill instructions.
+    ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
                   "D_ROPE": 64}  # fmt: skip
@@ -92,8 +94,8 @@ def gluon_report(
         fn, num_warps = mla_heads_kernel, 8
         constexprs["FP8"] = fp8
     else:
-        fn, num_warps = mla_fp8_wgmma_kernel, 4
-        constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
+        fn, num_warps = (mla_fp8_e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
+        constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64} | ({} if e4m3 else {"ONLY": 0})
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
              "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip
@@ -108,7 +110,7 @@ def gluon_report(
         listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
                                  capture_output=True, text=True).stdout  # fmt: skip
         return {"shared": kernel.metadata.shared, "resources": resources(path),
-                "wgmma": "HGMMA" in listing,
+                "wgmma": bool(re.search(r"\b[HQ]GMMA\b", listing)),  # fp16/bf16 or e4m3
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
                 "loop": dict(loop_opcodes(path).most_common())}  # fmt: skip

@@ -40,6 +40,8 @@ _split_range = gluon.jit(split_range.fn)  # the Triton function, compiled as Glu
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 # the kernel's ONLY, for measuring each side's time alone: the other side hands buffers over
 PRODUCER_ONLY = gl.constexpr(1)
+# the split's partial output [D, heads] in registers for coalesced stores: dims fastest
+OUT_DIMS_FASTEST = gl.constexpr(gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1]))
 CONSUMER_ONLY = gl.constexpr(2)
 
 
@@ -261,16 +263,18 @@ def _consumer(
         mbarrier.arrive(empty.index(buf), count=1)
         n0 += BLOCK_N
     _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b, split, hb,
-                   num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H, mma)  # fmt: skip
+                   num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H, mma,
+                   OUT_DIMS_FASTEST)  # fmt: skip
 
 
 @gluon.jit
 def _store_partial(
     acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
     stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, mma: gl.constexpr,
+    out_l: gl.constexpr,
 ):  # fmt: skip
-    """The split's output (``acc`` is o^T over ``acc_unit``) and log-sum-exp per head."""
-    out_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # d fastest
+    """The split's output (``acc`` is o^T over ``acc_unit``, stored from ``out_l``) and
+    log-sum-exp per head."""
     empty = l == 0.0  # a split past the request's end
     l = gl.where(empty, 1.0, l)
     lse = gl.where(empty, float("-inf"), m + gl.log2(l))

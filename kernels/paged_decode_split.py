@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .decode_split_range import split_range as _split_range
+from .mla_decode_e4m3 import mla_fp8_e4m3_kernel
 from .mla_decode_heads import mla_heads_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
@@ -61,6 +62,10 @@ class DecodeConfig:
     # the balanced plan (lengths known) fills this many waves of programs_per_sm where one
     # wave's plan overflows it (plan_balanced_waves): shorter splits, less left for the last
     balanced_waves: int = 1
+    # MLA over FP8 pages, 16 heads a program: the Gluon kernel with both products in e4m3
+    # (mla_decode_e4m3.py; q and p in two e4m3 parts, V transposed in shared memory, nothing
+    # widened); under the interpreter and off Hopper, MLA_FP8_TRITON runs instead
+    e4m3: bool = False
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
@@ -76,6 +81,9 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip
+# The same plan with both products in e4m3 (mla_decode_e4m3.py), measured beside it.
+MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
+                            balanced_waves=2)  # fmt: skip
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -852,7 +860,7 @@ def paged_decode(
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if cfg.wgmma and (interpreted or not is_hopper(q.device)):
+    if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
         cfg = MLA_FP8_TRITON
     if cfg.heads_m and (interpreted or not is_hopper(q.device)):
         cfg = MLA_HEADS_TRITON
@@ -905,16 +913,21 @@ def paged_decode(
     def shared_but(*names: str) -> dict:
         return {k: v for k, v in shared.items() if k not in names}
 
-    if v_from_k and cfg.wgmma:
+    if v_from_k and (cfg.wgmma or cfg.e4m3):
         if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
             raise ValueError(
                 "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
                 f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
-        mla_fp8_wgmma_kernel[(programs, splits)](
-            ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
-        )
+        if cfg.e4m3:
+            mla_fp8_e4m3_kernel[(programs, splits)](
+                **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+            )
+        else:
+            mla_fp8_wgmma_kernel[(programs, splits)](
+                ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+            )
     elif v_from_k and cfg.heads_m:
         if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
             raise ValueError(

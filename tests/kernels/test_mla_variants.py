@@ -8,7 +8,12 @@ e4m3 casts need ``gpu_like_interpreter`` on the CPU (the interpreter's own cast 
 into the exponent), so these live in their own module."""
 
 import pytest
-from tessera.kernels.paged_decode_split import MLA_FP8_WGMMA, MLA_HEADS_M, DecodeConfig
+from tessera.kernels.paged_decode_split import (
+    MLA_FP8_E4M3,
+    MLA_FP8_WGMMA,
+    MLA_HEADS_M,
+    DecodeConfig,
+)
 from test_paged_decode import run_mla
 
 pytestmark = pytest.mark.usefixtures("gpu_like_interpreter")
@@ -40,6 +45,17 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
     """Single tokens, tiles that end one short, exactly and one past a page, many tiles; padded
     heads (8) and two head blocks (20); page tables of page ids and of SGLang's token slots."""
     run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_FP8_WGMMA,
+            balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("heads", [8, 16, 20])
+def test_e4m3_kernel_matches_reference(page_size, balanced, heads):
+    """Both products in e4m3 (q and p in two parts, V transposed by the producer): the same
+    edge lengths, head counts and page tables as the widening kernel, the same tolerance."""
+    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_FP8_E4M3,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
 

@@ -1,0 +1,372 @@
+"""MLA decode over FP8 (e4m3) pages with both products in e4m3 on Hopper's warpgroup MMA,
+warp-specialized, in Gluon: nothing is widened.
+
+Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2). Tokens are the MMA's M
+(64 a tile, one page of 64), as in ``mla_decode_wgmma.py``, whose producer widened every tile
+to fp16 and whose consumer read that tile from shared memory at N = 16 for each product. Here:
+
+- The producer warpgroup copies each raw e4m3 tile into shared memory (``cp.async``, 16 bytes
+  a thread and row, two tiles ahead of the one it finishes) and writes the tile's first ``D``
+  columns once more, transposed (``V^T``, tokens along each row): FP8 MMA operands must be
+  K-major, and the output product's K is the tokens. The bytes are transposed in registers,
+  4 tokens by 4 dims at a time with eight byte permutes, then stored 16 bytes a row.
+- The consumer warpgroup runs the scores ``K @ [q_hi | q_lo]^T`` and the output
+  ``V^T @ [p_hi | p_lo]`` in e4m3, each operand's two parts side by side in one MMA of N = 2 x
+  16 (its first part and its rounding residual, so the products are 1.6e-3 accurate where one
+  e4m3 part is 3-5e-2): one pass over each tile per product, half the A bytes of the fp16
+  tile and a quarter of its MMA instructions per output column.
+
+The scales go where the widened kernel puts them: the per-token KV scale to the fp32 scores and
+to the probabilities (relative to the tile's largest, lifted by 2^8 so small weights stay
+normal in e4m3), q's per-head unit (its largest entry at 448) to the scores.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mla_decode_wgmma import (
+    _NEW_REINTERPRET,
+    _max_pair,
+    _split_range,
+    _store_partial,
+    _tile_entry,
+    _tile_slots,
+)
+
+# Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+NUM_BUF = gl.constexpr(3)  # tile slots: raw tile + V^T, 68 KB each
+PRODUCER_THREADS = gl.constexpr(128)
+
+
+@gluon.jit
+def _as_int32(buffers, shape: gl.constexpr, swizzle: gl.constexpr):
+    """e4m3 buffers as 32-bit words of four values: the same bytes, the same swizzle."""
+    if _NEW_REINTERPRET:
+        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
+    else:
+        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
+    return words
+
+
+@gluon.jit
+def _copy_columns(
+    KV, indices, row, n0, end, stride_kv_slot, dst, first: gl.constexpr, width: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    layout: gl.constexpr,
+):  # fmt: skip
+    """Starts copying columns ``first .. first + width`` of tokens ``n0 .. n0 + BLOCK_N``'s
+    raw rows into ``dst`` (zeros past ``end``)."""
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    cols = first + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    _async_load(dst, KV + slot[:, None] * stride_kv_slot + cols[None, :], mask[:, None])
+
+
+@gluon.jit
+def _copy_tile(
+    KV, indices, row, n0, end, stride_kv_slot, k_lat, k_rope, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """Starts copying tokens ``n0 .. n0 + BLOCK_N``'s raw rows into ``k_lat`` / ``k_rope``
+    (zeros past ``end``), 16 bytes a thread."""
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    _copy_columns(KV, indices, row, n0, end, stride_kv_slot, k_lat, 0, D, PAGE_SIZE,
+                  ENTRIES_PER_PAGE, BLOCK_N, lat_l)  # fmt: skip
+    _copy_columns(KV, indices, row, n0, end, stride_kv_slot, k_rope, D, D_ROPE, PAGE_SIZE,
+                  ENTRIES_PER_PAGE, BLOCK_N, rope_l)  # fmt: skip
+
+
+@gluon.jit
+def _transpose_4x4(words):
+    """Each thread's runs of 4 words (4 consecutive tokens, one word column: 4 dims each) as 4
+    words of one dim each (its 4 tokens in order): a 4 x 4 byte transpose, 8 ``prmt``."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 ab0, ab1, cd0, cd1;
+        prmt.b32 ab0, $4, $5, 0x5140;
+        prmt.b32 ab1, $4, $5, 0x7362;
+        prmt.b32 cd0, $6, $7, 0x5140;
+        prmt.b32 cd1, $6, $7, 0x7362;
+        prmt.b32 $0, ab0, cd0, 0x5410;
+        prmt.b32 $1, ab0, cd0, 0x7632;
+        prmt.b32 $2, ab1, cd1, 0x5410;
+        prmt.b32 $3, ab1, cd1, 0x7632;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r",
+        args=[words],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _write_vt(lat_w, vt_w, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """V^T from the raw tile: ``lat_w`` ([BLOCK_N, D / 4] words) into ``vt_w`` ([D, BLOCK_N / 4]
+    words), a quarter of the dims at a time."""
+    WQ: gl.constexpr = D // 16  # words in a quarter of a row
+    # 16 tokens of one word column a thread, a warp 32 word columns: each word of the quarter
+    # read once, conflict-free (one row's 128 bytes a warp)
+    tr_l: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [4, 1], [1, 0])
+    for quarter in gl.static_range(4):
+        w = lat_w.slice(quarter * WQ, WQ, dim=1).load(tr_l)
+        t = _transpose_4x4(w)
+        # element [4 g + j, c] holds dim 4 c + j of the quarter, tokens 4 g .. 4 g + 3
+        t = gl.reshape(t, [BLOCK_N // 4, 4, WQ])
+        t = gl.permute(t, (2, 1, 0))
+        t = gl.reshape(t, [4 * WQ, BLOCK_N // 4])
+        vt_w.slice(quarter * 4 * WQ, 4 * WQ, dim=0).store(t)
+
+
+@gluon.jit
+def _producer(
+    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, vt_all, loaded, full,
+    empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """Copies each raw tile into a free slot ``NUM_BUF - 1`` tiles ahead, and once a tile has
+    landed writes its V^T and marks the slot full."""
+    tiles = gl.cdiv(end - start, BLOCK_N)
+    lat_w_all = _as_int32(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
+    vt_w_all = _as_int32(vt_all, [NUM_BUF, D, BLOCK_N // 4], 64)
+    for first in gl.static_range(NUM_BUF - 1):
+        if first < tiles:
+            _copy_tile(KV, indices, row, start + first * BLOCK_N, end, stride_kv_slot,
+                       k_lat_all.index(first), k_rope_all.index(first), PAGE_SIZE,
+                       ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
+            async_copy.mbarrier_arrive(loaded.index(first), increment_count=False)
+    for i in range(tiles):
+        ahead = i + NUM_BUF - 1
+        if ahead < tiles:
+            slot = ahead % NUM_BUF
+            mbarrier.wait(empty.index(slot), (ahead // NUM_BUF & 1) ^ 1)  # its last tile done
+            _copy_tile(KV, indices, row, start + ahead * BLOCK_N, end, stride_kv_slot,
+                       k_lat_all.index(slot), k_rope_all.index(slot), PAGE_SIZE,
+                       ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
+            async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
+        buf = i % NUM_BUF
+        mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+        _write_vt(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
+        fence_async_shared()
+        mbarrier.arrive(full.index(buf), count=1)
+
+
+@gluon.jit
+def _halves_sum(x, layout: gl.constexpr):
+    """``x[:, :N/2] + x[:, N/2:]`` in ``layout`` (the N/2-wide MMA layout: the same threads)."""
+    M: gl.constexpr = x.shape[0]
+    H: gl.constexpr = x.shape[1] // 2
+    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, H]), (0, 2, 1)))
+    return gl.convert_layout(a + b, layout)
+
+
+@gluon.jit
+def _both_halves(v, layout: gl.constexpr):
+    """``[v, v]`` in ``layout`` (a slice of the N-wide MMA layout)."""
+    H: gl.constexpr = v.shape[0]
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(v, v), (1, 0)), [2 * H]), layout)
+
+
+@gluon.jit
+def _consumer(
+    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+    k_lat_all, k_rope_all, vt_all, p_s, full, empty, part_out, part_lse, b, split, hb,
+    num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Both e4m3 products and the online softmax of each full slot, which it frees once the
+    tile's output product is done; then the split's partial output and log-sum-exp."""
+    wide: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+    )
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    q_unit = gl.convert_layout(q_unit, head_l)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
+    l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    acc = gl.zeros([D, 2 * BLOCK_H], gl.float32, wide)  # o^T over [p_hi | p_lo]
+    acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
+    n0 = start
+    entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+    entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
+                        BLOCK_N)  # fmt: skip
+    p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
+    p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        buf = i % NUM_BUF
+        mbarrier.wait(full.index(buf), i // NUM_BUF & 1)
+        s = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)),
+                          gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide), use_acc=False,
+                          is_async=True)  # fmt: skip
+        s = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), s, is_async=True)
+        slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+        entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = _halves_sum(s, mma) * q_unit[None, :]
+        s = s * (scale * sm_scale_log2e)[:, None]
+        s = gl.where(mask[:, None], s, float("-inf"))
+
+        s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
+        m_new = gl.maximum(m, s_top)
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_rows = l_rows * alpha[None, :] + p
+        # p relative to the tile's largest V scale, lifted by 2^8 (small weights stay normal)
+        v_top = gl.maximum(v_top, 1e-30) / 256.0
+        p = p * scale[:, None] / v_top[None, :]
+        alpha = alpha * (acc_unit / v_top)
+        acc_unit = v_top
+        p_hi = p.to(gl.float8e4nv)
+        p_hi_s.store(p_hi)
+        p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
+        fence_async_shared()
+        acc = warpgroup_mma(vt_all.index(buf), p_s.permute((1, 0)),
+                            acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :],
+                            is_async=True)  # fmt: skip
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(buf), count=1)
+        m = m_new
+        scale, mask = next_scale, next_mask
+        n0 += BLOCK_N
+    _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
+                   part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
+                   BLOCK_H, mma, mma)  # fmt: skip (stored from the MMA's layout: 8 dims, one
+    # 32-byte sector, a store; a coalescing conversion would need 16 KB of scratch)
+
+
+@gluon.jit
+def mla_fp8_e4m3_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BALANCED: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Stage 1: the producer warpgroup copies raw tiles and writes their V^T, the consumer
+    warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax."""
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+
+    row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
+                                   LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
+
+    # q per head in e4m3 (its largest entry at 448) as two parts: the value and its residual
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_lat = gl.load(
+        Q + b * stride_qb + hq[:, None] * stride_qh
+        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
+        mask=(hq < num_heads)[:, None], other=0.0,
+    ).to(gl.float32)  # fmt: skip
+    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
+    q_rope = gl.load(
+        Q + b * stride_qb + hr[:, None] * stride_qh + D
+        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
+        mask=(hr < num_heads)[:, None], other=0.0,
+    ).to(gl.float32)  # fmt: skip
+    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
+                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
+    q_unit = gl.maximum(q_top, 1e-30) / 448.0
+    q_lat = q_lat / q_unit[:, None]
+    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
+    qq_lat = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
+    )  # fmt: skip
+    qq_rope = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
+    )  # fmt: skip
+    hi = q_lat.to(gl.float8e4nv)
+    qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
+    hi = q_rope.to(gl.float8e4nv)
+    qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+
+    k_lat_all = gl.allocate_shared_memory(
+        gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
+    )  # fmt: skip
+    k_rope_all = gl.allocate_shared_memory(
+        gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
+    )  # fmt: skip
+    vt_all = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, D, BLOCK_N],
+                                       gl.NVMMASharedLayout(64, 8))  # fmt: skip
+    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
+                                    gl.NVMMASharedLayout(64, 8))  # fmt: skip
+    # loaded[i]: slot i's copies landed (every producer thread's); full[i]: its V^T written;
+    # empty[i]: the consumer's output product is done with it
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()  # q's stores, before the products read it
+
+    gl.warp_specialize(
+        [
+            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, vt_all, p_s, full,
+                         empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
+                         stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
+                         BLOCK_N)),
+            (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
+                         vt_all, loaded, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                         D_ROPE)),
+        ],
+        [4],
+        [96],
+    )  # fmt: skip
