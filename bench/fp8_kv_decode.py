@@ -424,6 +424,8 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     # both products in e4m3, nothing widened (q and p in two e4m3 parts, V^T in shared memory)
     "e4m3": ("fp8", MLA_FP8_E4M3),
+    "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
+    "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),

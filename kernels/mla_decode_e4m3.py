@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .mla_decode_wgmma import (
     _NEW_REINTERPRET,
+    CONSUMER_ONLY,
+    PRODUCER_ONLY,
     _max_pair,
     _split_range,
     _store_partial,
@@ -135,11 +137,16 @@ def _write_vt(lat_w, vt_w, BLOCK_N: gl.constexpr, D: gl.constexpr):
 def _producer(
     KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, vt_all, loaded, full,
     empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Copies each raw tile into a free slot ``NUM_BUF - 1`` tiles ahead, and once a tile has
     landed writes its V^T and marks the slot full."""
     tiles = gl.cdiv(end - start, BLOCK_N)
+    if ONLY == CONSUMER_ONLY:  # hands the slots over as they are
+        for i in range(tiles):
+            mbarrier.wait(empty.index(i % NUM_BUF), (i // NUM_BUF & 1) ^ 1)
+            mbarrier.arrive(full.index(i % NUM_BUF), count=1)
+        return
     lat_w_all = _as_int32(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
     vt_w_all = _as_int32(vt_all, [NUM_BUF, D, BLOCK_N // 4], 64)
     for first in gl.static_range(NUM_BUF - 1):
@@ -149,6 +156,13 @@ def _producer(
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(first), increment_count=False)
     for i in range(tiles):
+        # tile i first: the consumer, busy with tile i - 1, waits for it next (with the copies
+        # first, their wait for tile i - 1's slot put the transposition on its path: 1.2x)
+        buf = i % NUM_BUF
+        mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+        _write_vt(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
+        fence_async_shared()
+        mbarrier.arrive(full.index(buf), count=1)
         ahead = i + NUM_BUF - 1
         if ahead < tiles:
             slot = ahead % NUM_BUF
@@ -157,11 +171,6 @@ def _producer(
                        k_lat_all.index(slot), k_rope_all.index(slot), PAGE_SIZE,
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
-        buf = i % NUM_BUF
-        mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
-        _write_vt(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
-        fence_async_shared()
-        mbarrier.arrive(full.index(buf), count=1)
 
 
 @gluon.jit
@@ -186,7 +195,7 @@ def _consumer(
     k_lat_all, k_rope_all, vt_all, p_s, full, empty, part_out, part_lse, b, split, hb,
     num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Both e4m3 products and the online softmax of each full slot, which it frees once the
     tile's output product is done; then the split's partial output and log-sum-exp."""
@@ -214,42 +223,45 @@ def _consumer(
     for i in range(gl.cdiv(end - start, BLOCK_N)):
         buf = i % NUM_BUF
         mbarrier.wait(full.index(buf), i // NUM_BUF & 1)
-        s = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)),
-                          gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide), use_acc=False,
-                          is_async=True)  # fmt: skip
-        s = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), s, is_async=True)
-        slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
-                                      ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-        next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-        entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
-                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-        s = warpgroup_mma_wait(0, deps=(s,))
-        s = _halves_sum(s, mma) * q_unit[None, :]
-        s = s * (scale * sm_scale_log2e)[:, None]
-        s = gl.where(mask[:, None], s, float("-inf"))
+        if ONLY == PRODUCER_ONLY:  # hands the slot back untouched
+            mbarrier.arrive(empty.index(buf), count=1)
+        else:
+            s = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)),
+                              gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide), use_acc=False,
+                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), s, is_async=True)
+            slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                                          ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+            next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
+            entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
+                                ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+            s = warpgroup_mma_wait(0, deps=(s,))
+            s = _halves_sum(s, mma) * q_unit[None, :]
+            s = s * (scale * sm_scale_log2e)[:, None]
+            s = gl.where(mask[:, None], s, float("-inf"))
 
-        s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
-        m_new = gl.maximum(m, s_top)
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_rows = l_rows * alpha[None, :] + p
-        # p relative to the tile's largest V scale, lifted by 2^8 (small weights stay normal)
-        v_top = gl.maximum(v_top, 1e-30) / 256.0
-        p = p * scale[:, None] / v_top[None, :]
-        alpha = alpha * (acc_unit / v_top)
-        acc_unit = v_top
-        p_hi = p.to(gl.float8e4nv)
-        p_hi_s.store(p_hi)
-        p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
-        fence_async_shared()
-        acc = warpgroup_mma(vt_all.index(buf), p_s.permute((1, 0)),
-                            acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :],
-                            is_async=True)  # fmt: skip
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(buf), count=1)
-        m = m_new
-        scale, mask = next_scale, next_mask
-        n0 += BLOCK_N
+            s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
+            m_new = gl.maximum(m, s_top)
+            alpha = gl.exp2(m - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_rows = l_rows * alpha[None, :] + p
+            # p relative to the tile's largest V scale, lifted by 2^8 (small weights stay normal)
+            v_top = gl.maximum(v_top, 1e-30) / 256.0
+            p = p * scale[:, None] / v_top[None, :]
+            alpha = alpha * (acc_unit / v_top)
+            acc_unit = v_top
+            p_hi = p.to(gl.float8e4nv)
+            p_hi_s.store(p_hi)
+            p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
+            fence_async_shared()
+            acc = warpgroup_mma(vt_all.index(buf), p_s.permute((1, 0)),
+                                acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :],
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(buf), count=1)
+            m = m_new
+            scale, mask = next_scale, next_mask
+            n0 += BLOCK_N
     _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
                    part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
                    BLOCK_H, mma, mma)  # fmt: skip (stored from the MMA's layout: 8 dims, one
@@ -286,6 +298,7 @@ def mla_fp8_e4m3_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    ONLY: gl.constexpr = 0,
 ):
     """Stage 1: the producer warpgroup copies raw tiles and writes their V^T, the consumer
     warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax."""
@@ -362,10 +375,10 @@ def mla_fp8_e4m3_kernel(
                          q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, vt_all, p_s, full,
                          empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
                          stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
-                         BLOCK_N)),
+                         BLOCK_N, ONLY)),
             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
                          vt_all, loaded, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                         D_ROPE)),
+                         D_ROPE, ONLY)),
         ],
         [4],
         [96],

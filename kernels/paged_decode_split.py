@@ -922,7 +922,7 @@ def paged_decode(
             )
         if cfg.e4m3:
             mla_fp8_e4m3_kernel[(programs, splits)](
-                **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+                ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](
