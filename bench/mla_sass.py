@@ -95,7 +95,7 @@ def gluon_report(
         constexprs["FP8"] = fp8
     else:
         fn, num_warps = (mla_fp8_e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
-        constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64} | ({} if e4m3 else {"ONLY": 0})
+        constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
              "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip
