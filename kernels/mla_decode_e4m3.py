@@ -34,9 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .mla_decode_wgmma import (
-    _NEW_REINTERPRET,
     CONSUMER_ONLY,
     PRODUCER_ONLY,
+    _as_words,
+    _load_q,
     _max_pair,
     _split_range,
     _store_partial,
@@ -48,16 +49,6 @@ from .mla_decode_wgmma import (
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 NUM_BUF = gl.constexpr(3)  # tile slots: raw tile + V^T, 68 KB each
 PRODUCER_THREADS = gl.constexpr(128)
-
-
-@gluon.jit
-def _as_int32(buffers, shape: gl.constexpr, swizzle: gl.constexpr):
-    """e4m3 buffers as 32-bit words of four values: the same bytes, the same swizzle."""
-    if _NEW_REINTERPRET:
-        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
-    else:
-        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
-    return words
 
 
 @gluon.jit
@@ -147,8 +138,8 @@ def _producer(
             mbarrier.wait(empty.index(i % NUM_BUF), (i // NUM_BUF & 1) ^ 1)
             mbarrier.arrive(full.index(i % NUM_BUF), count=1)
         return
-    lat_w_all = _as_int32(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
-    vt_w_all = _as_int32(vt_all, [NUM_BUF, D, BLOCK_N // 4], 64)
+    lat_w_all = _as_words(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
+    vt_w_all = _as_words(vt_all, [NUM_BUF, D, BLOCK_N // 4], 64)
     for first in gl.static_range(NUM_BUF - 1):
         if first < tiles:
             _copy_tile(KV, indices, row, start + first * BLOCK_N, end, stride_kv_slot,
@@ -264,8 +255,9 @@ def _consumer(
             n0 += BLOCK_N
     _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
                    part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
-                   BLOCK_H, mma, mma)  # fmt: skip (stored from the MMA's layout: 8 dims, one
-    # 32-byte sector, a store; a coalescing conversion would need 16 KB of scratch)
+                   BLOCK_H, mma, mma)  # fmt: skip
+    # (stored from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion would
+    # need 16 KB of scratch, which shared memory does not have)
 
 
 @gluon.jit
@@ -301,7 +293,8 @@ def mla_fp8_e4m3_kernel(
     ONLY: gl.constexpr = 0,
 ):
     """Stage 1: the producer warpgroup copies raw tiles and writes their V^T, the consumer
-    warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax."""
+    warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax. ``ONLY``, for
+    measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -314,18 +307,9 @@ def mla_fp8_e4m3_kernel(
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
 
     # q per head in e4m3 (its largest entry at 448) as two parts: the value and its residual
-    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    q_lat = gl.load(
-        Q + b * stride_qb + hq[:, None] * stride_qh
-        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
-        mask=(hq < num_heads)[:, None], other=0.0,
-    ).to(gl.float32)  # fmt: skip
-    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
-    q_rope = gl.load(
-        Q + b * stride_qb + hr[:, None] * stride_qh + D
-        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
-        mask=(hr < num_heads)[:, None], other=0.0,
-    ).to(gl.float32)  # fmt: skip
+    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
+                            qr_l)  # fmt: skip
+    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
     q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
                        gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
     q_unit = gl.maximum(q_top, 1e-30) / 448.0

@@ -167,8 +167,8 @@ def mla_heads_kernel(
     tiles = gl.cdiv(end - start, BLOCK_N)
     if FP8:
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-        k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
-        k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
+        k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2], 128)
+        k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2], 128)
         words = _load_fp8_tile(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
                             ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
     else:

@@ -46,13 +46,36 @@ CONSUMER_ONLY = gl.constexpr(2)
 
 
 @gluon.jit
-def _as_words(buffers, shape: gl.constexpr):
-    """fp16 buffers as 32-bit words of two values: the same bytes, the same 128-byte swizzle."""
+def _as_words(buffers, shape: gl.constexpr, swizzle: gl.constexpr):
+    """fp16 or e4m3 buffers as 32-bit words of two or four values: the same bytes, the same
+    ``swizzle``-byte swizzle."""
     if _NEW_REINTERPRET:
-        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(128, 32))
+        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
     else:
-        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(128, 32))
+        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
     return words
+
+
+@gluon.jit
+def _load_q(
+    Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr, q_l: gl.constexpr, qr_l: gl.constexpr,
+):  # fmt: skip
+    """The program's query heads: the latent part in ``q_l``, the rope part in ``qr_l``, 0 in
+    heads past ``num_heads``."""
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_lat = gl.load(
+        Q + b * stride_qb + hq[:, None] * stride_qh
+        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
+        mask=(hq < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
+    q_rope = gl.load(
+        Q + b * stride_qb + hr[:, None] * stride_qh + D
+        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
+        mask=(hr < num_heads)[:, None], other=0.0,
+    )  # fmt: skip
+    return q_lat, q_rope
 
 
 @gluon.jit
@@ -335,18 +358,8 @@ def mla_fp8_wgmma_kernel(
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
 
-    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    q_lat = gl.load(
-        Q + b * stride_qb + hq[:, None] * stride_qh
-        + gl.arange(0, D, layout=gl.SliceLayout(0, q_l))[None, :],
-        mask=(hq < num_heads)[:, None], other=0.0,
-    )  # fmt: skip
-    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qr_l))
-    q_rope = gl.load(
-        Q + b * stride_qb + hr[:, None] * stride_qh + D
-        + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, qr_l))[None, :],
-        mask=(hr < num_heads)[:, None], other=0.0,
-    )  # fmt: skip
+    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
+                            qr_l)  # fmt: skip
     q_lat_s = gl.allocate_shared_memory(
         gl.float16, [BLOCK_H, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16),
         q_lat.to(gl.float16),
@@ -364,8 +377,8 @@ def mla_fp8_wgmma_kernel(
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16),
     )  # fmt: skip
     # the producer writes the fp16 tiles as 32-bit words of two values
-    k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2])
-    k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2])
+    k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2], 128)
+    k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2], 128)
     # full[i]: the producer filled buffer i; empty[i]: the consumer's output product is done
     # with it (the producer's first wait on each passes: a new mbarrier's previous phase counts
     # as complete)
