@@ -5,16 +5,19 @@ Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2). Tokens 
 (64 a tile, one page of 64), as in ``mla_decode_wgmma.py``, whose producer widened every tile
 to fp16 and whose consumer read that tile from shared memory at N = 16 for each product. Here:
 
-- The producer warpgroup copies each raw e4m3 tile into shared memory (``cp.async``, 16 bytes
-  a thread and row, two tiles ahead of the one it finishes) and writes the tile's first ``D``
-  columns once more, transposed (``V^T``, tokens along each row): FP8 MMA operands must be
-  K-major, and the output product's K is the tokens. The bytes are transposed in registers,
-  4 tokens by 4 dims at a time with eight byte permutes, then stored 16 bytes a row.
+- The producer warpgroup copies each raw e4m3 tile into a slot of shared memory (``cp.async``,
+  16 bytes a thread and row), up to four tiles ahead. Once the consumer's scores are done with a
+  tile, the producer transposes its latent part in place (``V^T``, tokens along each row): FP8
+  MMA operands must be K-major, and the output product's K is the tokens. The bytes are
+  transposed in registers, 4 tokens by 4 dims at a time with eight byte permutes. In place, a
+  slot is one raw tile (36 KB), so five fit where a tile and a separate V^T (68 KB) fit three.
 - The consumer warpgroup runs the scores ``K @ [q_hi | q_lo]^T`` and the output
   ``V^T @ [p_hi | p_lo]`` in e4m3, each operand's two parts side by side in one MMA of N = 2 x
   16 (its first part and its rounding residual, so the products are 1.6e-3 accurate where one
   e4m3 part is 3-5e-2): one pass over each tile per product, half the A bytes of the fp16
-  tile and a quarter of its MMA instructions per output column.
+  tile and a quarter of its MMA instructions per output column. A tile's scores are started
+  before the previous tile's output product, which then runs on the tensor cores while the
+  tile's softmax runs.
 
 The scales go where the widened kernel puts them: the per-token KV scale to the fp32 scores and
 to the probabilities (relative to the tile's largest, lifted by 2^8 so small weights stay
@@ -30,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -39,6 +43,7 @@ from .mla_decode_wgmma import (
     _as_words,
     _load_q,
     _max_pair,
+    _reinterpret,
     _split_range,
     _store_partial,
     _tile_entry,
@@ -47,7 +52,7 @@ from .mla_decode_wgmma import (
 
 # Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-NUM_BUF = gl.constexpr(3)  # tile slots: raw tile + V^T, 68 KB each
+NUM_BUF = gl.constexpr(5)  # tile slots, 36 KB each
 PRODUCER_THREADS = gl.constexpr(128)
 
 
@@ -107,39 +112,40 @@ def _transpose_4x4(words):
 
 
 @gluon.jit
-def _write_vt(lat_w, vt_w, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """V^T from the raw tile: ``lat_w`` ([BLOCK_N, D / 4] words) into ``vt_w`` ([D, BLOCK_N / 4]
-    words), a quarter of the dims at a time."""
-    WQ: gl.constexpr = D // 16  # words in a quarter of a row
-    # 16 tokens of one word column a thread, a warp 32 word columns: each word of the quarter
-    # read once, conflict-free (one row's 128 bytes a warp)
+def _transpose_in_place(lat_w, vt_w, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """The raw tile's latent part ``lat_w`` ([BLOCK_N, D / 4] words) as V^T over the same bytes,
+    ``vt_w`` ([D, BLOCK_N / 4] words): all of it read before any of it is written."""
+    # 16 tokens of one word column a thread, a warp 32 word columns: one row's 128 bytes a
+    # warp, conflict-free
     tr_l: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [4, 1], [1, 0])
-    for quarter in gl.static_range(4):
-        w = lat_w.slice(quarter * WQ, WQ, dim=1).load(tr_l)
-        t = _transpose_4x4(w)
-        # element [4 g + j, c] holds dim 4 c + j of the quarter, tokens 4 g .. 4 g + 3
-        t = gl.reshape(t, [BLOCK_N // 4, 4, WQ])
-        t = gl.permute(t, (2, 1, 0))
-        t = gl.reshape(t, [4 * WQ, BLOCK_N // 4])
-        vt_w.slice(quarter * 4 * WQ, 4 * WQ, dim=0).store(t)
+    t = _transpose_4x4(lat_w.load(tr_l))
+    # element [4 g + j, c] holds dim 4 c + j, tokens 4 g .. 4 g + 3
+    t = gl.reshape(t, [BLOCK_N // 4, 4, D // 4])
+    t = gl.permute(t, (2, 1, 0))
+    # (the store waits for every thread's loads: the compiler's barrier between accesses to
+    # one buffer, which it cannot tell apart)
+    vt_w.store(gl.reshape(t, [D, BLOCK_N // 4]))
 
 
 @gluon.jit
 def _producer(
-    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, vt_all, loaded, full,
-    empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, scored,
+    transposed, empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Copies each raw tile into a free slot ``NUM_BUF - 1`` tiles ahead, and once a tile has
-    landed writes its V^T and marks the slot full."""
+    """Copies each raw tile into a free slot ``NUM_BUF - 1`` tiles ahead, and once the
+    consumer's scores are done with a tile transposes its latent part in place."""
     tiles = gl.cdiv(end - start, BLOCK_N)
     if ONLY == CONSUMER_ONLY:  # hands the slots over as they are
         for i in range(tiles):
-            mbarrier.wait(empty.index(i % NUM_BUF), (i // NUM_BUF & 1) ^ 1)
-            mbarrier.arrive(full.index(i % NUM_BUF), count=1)
+            buf = i % NUM_BUF
+            mbarrier.wait(empty.index(buf), (i // NUM_BUF & 1) ^ 1)
+            mbarrier.arrive(loaded.index(buf), count=PRODUCER_THREADS)
+            mbarrier.wait(scored.index(buf), i // NUM_BUF & 1)
+            mbarrier.arrive(transposed.index(buf), count=1)
         return
     lat_w_all = _as_words(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
-    vt_w_all = _as_words(vt_all, [NUM_BUF, D, BLOCK_N // 4], 64)
+    vt_w_all = _as_words(k_lat_all, [NUM_BUF, D, BLOCK_N // 4], 64)
     for first in gl.static_range(NUM_BUF - 1):
         if first < tiles:
             _copy_tile(KV, indices, row, start + first * BLOCK_N, end, stride_kv_slot,
@@ -147,13 +153,11 @@ def _producer(
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(first), increment_count=False)
     for i in range(tiles):
-        # tile i first: the consumer, busy with tile i - 1, waits for it next (with the copies
-        # first, their wait for tile i - 1's slot put the transposition on its path: 1.2x)
         buf = i % NUM_BUF
-        mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
-        _write_vt(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
+        mbarrier.wait(scored.index(buf), i // NUM_BUF & 1)  # (so it has landed, too)
+        _transpose_in_place(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
         fence_async_shared()
-        mbarrier.arrive(full.index(buf), count=1)
+        mbarrier.arrive(transposed.index(buf), count=1)
         ahead = i + NUM_BUF - 1
         if ahead < tiles:
             slot = ahead % NUM_BUF
@@ -183,13 +187,14 @@ def _both_halves(v, layout: gl.constexpr):
 @gluon.jit
 def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-    k_lat_all, k_rope_all, vt_all, p_s, full, empty, part_out, part_lse, b, split, hb,
-    num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
+    k_lat_all, k_rope_all, p_s, loaded, scored, transposed, empty, part_out, part_lse, b, split,
+    hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Both e4m3 products and the online softmax of each full slot, which it frees once the
-    tile's output product is done; then the split's partial output and log-sum-exp."""
+    """Each tile's scores (then hands its latent part to the producer to transpose), the
+    previous tile's output product (which frees that slot) and this tile's online softmax; then
+    the split's partial output and log-sum-exp."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
     )
@@ -203,30 +208,47 @@ def _consumer(
     l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([D, 2 * BLOCK_H], gl.float32, wide)  # o^T over [p_hi | p_lo]
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
-    n0 = start
-    entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-    slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-    scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-    entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                        BLOCK_N)  # fmt: skip
-    p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
-    p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
-    for i in range(gl.cdiv(end - start, BLOCK_N)):
-        buf = i % NUM_BUF
-        mbarrier.wait(full.index(buf), i // NUM_BUF & 1)
-        if ONLY == PRODUCER_ONLY:  # hands the slot back untouched
+    vt_all = _reinterpret(k_lat_all, gl.float8e4nv, [NUM_BUF, D, BLOCK_N], 64)
+    tiles = gl.cdiv(end - start, BLOCK_N)
+    if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
+        for i in range(tiles):
+            buf = i % NUM_BUF
+            mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+            mbarrier.arrive(scored.index(buf), count=1)
+            mbarrier.wait(transposed.index(buf), i // NUM_BUF & 1)
             mbarrier.arrive(empty.index(buf), count=1)
-        else:
-            s = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)),
-                              gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide), use_acc=False,
-                              is_async=True)  # fmt: skip
-            s = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), s, is_async=True)
+    else:
+        n0 = start
+        entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+        slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+        scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+        entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
+        p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
+        zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
+        for i in range(tiles):
+            buf = i % NUM_BUF
+            prev = (i + NUM_BUF - 1) % NUM_BUF
+            mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+            fence_async_shared()  # the copies' writes, before the products read them
+            scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
+                                   is_async=True)  # fmt: skip
+            if i > 0:  # the previous tile's output product, on the tensor cores during the softmax
+                mbarrier.wait(transposed.index(prev), (i - 1) // NUM_BUF & 1)
+                pv = warpgroup_mma(vt_all.index(prev), p_s.permute((1, 0)), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(scores,))
+            else:
+                pv = warpgroup_mma_init(acc)
+                s = warpgroup_mma_wait(0, deps=(scores,))
+            mbarrier.arrive(scored.index(buf), count=1)
             slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                                           ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
             entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=(s,))
             s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
             s = gl.where(mask[:, None], s, float("-inf"))
@@ -242,17 +264,20 @@ def _consumer(
             alpha = alpha * (acc_unit / v_top)
             acc_unit = v_top
             p_hi = p.to(gl.float8e4nv)
+            # the previous product done: its slot, p's buffer and the accumulator are free
+            acc = warpgroup_mma_wait(0, deps=(pv,))
+            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
+            acc = acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :]
             p_hi_s.store(p_hi)
             p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
             fence_async_shared()
-            acc = warpgroup_mma(vt_all.index(buf), p_s.permute((1, 0)),
-                                acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :],
-                                is_async=True)  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(buf), count=1)
             m = m_new
             scale, mask = next_scale, next_mask
             n0 += BLOCK_N
+        if tiles > 0:  # the last tile's output product
+            last = (tiles - 1) % NUM_BUF
+            mbarrier.wait(transposed.index(last), (tiles - 1) // NUM_BUF & 1)
+            acc = warpgroup_mma(vt_all.index(last), p_s.permute((1, 0)), acc)
     _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
                    part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
                    BLOCK_H, mma, mma)  # fmt: skip
@@ -338,32 +363,32 @@ def mla_fp8_e4m3_kernel(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
     )  # fmt: skip
-    vt_all = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, D, BLOCK_N],
-                                       gl.NVMMASharedLayout(64, 8))  # fmt: skip
     p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
                                     gl.NVMMASharedLayout(64, 8))  # fmt: skip
-    # loaded[i]: slot i's copies landed (every producer thread's); full[i]: its V^T written;
-    # empty[i]: the consumer's output product is done with it
+    # a slot's round: loaded (its copies landed, every producer thread's), scored (the consumer's
+    # scores done with it), transposed (V^T written over it), empty (the output product done)
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    scored = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    transposed = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(scored.index(i), count=1)
+        mbarrier.init(transposed.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
         [
             (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, vt_all, p_s, full,
-                         empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                         stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
-                         BLOCK_N, ONLY)),
+                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, scored,
+                         transposed, empty, part_out, part_lse, b, split, hb, num_heads,
+                         stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
+                         BLOCK_H, BLOCK_N, ONLY)),
             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
-                         vt_all, loaded, full, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                         D_ROPE, ONLY)),
+                         loaded, scored, transposed, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
+                         BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
-        [96],
+        [128],  # the producer holds a whole tile's words while transposing it
     )  # fmt: skip

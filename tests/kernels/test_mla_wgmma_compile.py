@@ -34,7 +34,7 @@ def test_gluon_mla_kernel_builds_for_hopper_without_spills(
 @pytest.mark.parametrize(("page_size", "entries_per_page", "balanced"),
                          [(64, 1, False), (64, 64, True), (16, 1, True)])  # fmt: skip
 def test_gluon_e4m3_kernel_builds_for_hopper_without_spills(page_size, entries_per_page, balanced):
-    """The kernel with both products in e4m3: three tile slots, q, p and the scratch within an
+    """The kernel with both products in e4m3: five tile slots, q, p and the scratch within an
     SM's shared memory (its partial output is stored from the MMA's layout for that), no
     spills."""
     built = _report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True)")
