@@ -119,7 +119,7 @@ def pick_config(
             return MLA_HEADS_M
         if fp8:
             wide = tokens is None or tokens >= WGMMA_MIN_TOKENS
-            return MLA_FP8_WGMMA if wide else MLA_FP8_TRITON
+            return MLA_FP8_E4M3 if wide else MLA_FP8_TRITON
         return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)
