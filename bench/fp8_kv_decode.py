@@ -418,11 +418,12 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the two FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS):
-    # the Triton one (also what runs off Hopper) and the Gluon one, each timed everywhere
+    # the three FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
+    # E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also what runs off Hopper), the
+    # Gluon one that widens each tile to fp16, and the Gluon one with both products in e4m3
+    # (q and p in two e4m3 parts, V^T written over each tile's latent part)
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
-    # both products in e4m3, nothing widened (q and p in two e4m3 parts, V^T in shared memory)
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),

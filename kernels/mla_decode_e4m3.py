@@ -16,8 +16,8 @@ to fp16 and whose consumer read that tile from shared memory at N = 16 for each 
   16 (its first part and its rounding residual, so the products are 1.6e-3 accurate where one
   e4m3 part is 3-5e-2): one pass over each tile per product, half the A bytes of the fp16
   tile and a quarter of its MMA instructions per output column. A tile's scores are started
-  before the output product of the tile two back (p in two buffers), which then runs on the
-  tensor cores while the tile's softmax runs, its V^T written a whole tile earlier.
+  before the previous tile's output product, which then runs on the tensor cores while the
+  tile's softmax runs.
 
 The scales go where the widened kernel puts them: the per-token KV scale to the fp32 scores and
 to the probabilities (relative to the tile's largest, lifted by 2^8 so small weights stay
@@ -185,23 +185,6 @@ def _both_halves(v, layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_p(p_buf, p, BLOCK_H: gl.constexpr):
-    """``p`` ([tokens, heads], fp32) into ``p_buf`` as ``[p_hi | p_lo]^T`` in e4m3."""
-    p_hi = p.to(gl.float8e4nv)
-    p_buf.slice(0, BLOCK_H, dim=0).permute((1, 0)).store(p_hi)
-    p_buf.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0)).store(
-        (p - p_hi.to(gl.float32)).to(gl.float8e4nv))  # fmt: skip
-    fence_async_shared()
-
-
-@gluon.jit
-def _output_product(vt_all, p_s, transposed, tile, acc):
-    """``acc`` plus tile ``tile``'s output product, once its V^T is written."""
-    mbarrier.wait(transposed.index(tile % NUM_BUF), tile // NUM_BUF & 1)
-    return warpgroup_mma(vt_all.index(tile % NUM_BUF), p_s.index(tile % 2).permute((1, 0)), acc)
-
-
-@gluon.jit
 def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
     k_lat_all, k_rope_all, p_s, loaded, scored, transposed, empty, part_out, part_lse, b, split,
@@ -209,8 +192,8 @@ def _consumer(
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Each tile's scores (then hands its latent part to the producer to transpose), the output
-    product of the tile two back (which frees that slot) and this tile's online softmax; then
+    """Each tile's scores (then hands its latent part to the producer to transpose), the
+    previous tile's output product (which frees that slot) and this tile's online softmax; then
     the split's partial output and log-sum-exp."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
@@ -241,21 +224,21 @@ def _consumer(
         scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
         entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                             ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
+        p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
         zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
-        alpha_prev = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
         for i in range(tiles):
             buf = i % NUM_BUF
-            back2 = (i + NUM_BUF - 2) % NUM_BUF
+            prev = (i + NUM_BUF - 1) % NUM_BUF
             mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
             fence_async_shared()  # the copies' writes, before the products read them
             scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
                                    use_acc=False, is_async=True)  # fmt: skip
             scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
                                    is_async=True)  # fmt: skip
-            if i > 1:  # tile i - 2's output product, on the tensor cores during the softmax
-                mbarrier.wait(transposed.index(back2), (i - 2) // NUM_BUF & 1)
-                pv = warpgroup_mma(vt_all.index(back2), p_s.index(i % 2).permute((1, 0)), acc,
-                                   is_async=True)  # fmt: skip
+            if i > 0:  # the previous tile's output product, on the tensor cores during the softmax
+                mbarrier.wait(transposed.index(prev), (i - 1) // NUM_BUF & 1)
+                pv = warpgroup_mma(vt_all.index(prev), p_s.permute((1, 0)), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(scores,))
             else:
                 pv = warpgroup_mma_init(acc)
@@ -280,22 +263,21 @@ def _consumer(
             p = p * scale[:, None] / v_top[None, :]
             alpha = alpha * (acc_unit / v_top)
             acc_unit = v_top
-            # tile i - 2's product done: its slot and p's buffer are free, and the accumulator
-            # goes to tile i - 1's frame, ready for its product
+            p_hi = p.to(gl.float8e4nv)
+            # the previous product done: its slot, p's buffer and the accumulator are free
             acc = warpgroup_mma_wait(0, deps=(pv,))
-            mbarrier.arrive(empty.index(back2), count=1, pred=i > 1)
-            acc = acc * _both_halves(alpha_prev, gl.SliceLayout(0, wide))[None, :]
-            alpha_prev = alpha
-            _store_p(p_s.index(i % 2), p, BLOCK_H)
+            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
+            acc = acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :]
+            p_hi_s.store(p_hi)
+            p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
+            fence_async_shared()
             m = m_new
             scale, mask = next_scale, next_mask
             n0 += BLOCK_N
-        # the last two tiles' output products
-        if tiles > 1:
-            acc = _output_product(vt_all, p_s, transposed, tiles - 2, acc)
-        acc = acc * _both_halves(alpha_prev, gl.SliceLayout(0, wide))[None, :]
-        if tiles > 0:
-            acc = _output_product(vt_all, p_s, transposed, tiles - 1, acc)
+        if tiles > 0:  # the last tile's output product
+            last = (tiles - 1) % NUM_BUF
+            mbarrier.wait(transposed.index(last), (tiles - 1) // NUM_BUF & 1)
+            acc = warpgroup_mma(vt_all.index(last), p_s.permute((1, 0)), acc)
     _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
                    part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
                    BLOCK_H, mma, mma)  # fmt: skip
@@ -381,7 +363,7 @@ def mla_fp8_e4m3_kernel(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
     )  # fmt: skip
-    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * BLOCK_H, BLOCK_N],
+    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
                                     gl.NVMMASharedLayout(64, 8))  # fmt: skip
     # a slot's round: loaded (its copies landed, every producer thread's), scored (the consumer's
     # scores done with it), transposed (V^T written over it), empty (the output product done)

@@ -81,7 +81,8 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip
-# The same plan with both products in e4m3 (mla_decode_e4m3.py), measured beside it.
+# The same plan with both products in e4m3 (mla_decode_e4m3.py): the FP8 default from
+# E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
                             balanced_waves=2)  # fmt: skip
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
@@ -93,6 +94,12 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
+# From this many tokens the e4m3 kernel is faster than the widening one: 1.09-1.15x from 64
+# requests of 4k (262,144 tokens) to 64 of 16k and 256 of 1k-8k; a tie on 64 requests of 1k-8k
+# (245,760), 0.95-0.99x at 4k-32k tokens, where most programs get a tile or two and its extra
+# hand-over (scores, then the transposition, then the output product) is not hidden
+# (bench/results/fp8_kv_e4m3_versions.json, both timed on the same data in one run).
+E4M3_MIN_TOKENS = 262144
 
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
@@ -106,9 +113,10 @@ def pick_config(
     MLA is bound by latency, not bytes: a program's tile time is fixed by its dependent loads
     and MMA chains, so the context is split into exactly as many programs as the GPU holds at
     once (a partial second wave cost up to 1.3x). 16 heads a program: BF16 has the latent in
-    quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs the
-    warp-specialized Gluon kernel (``MLA_FP8_WGMMA``, one program per SM, 64-token tiles) from
-    ``WGMMA_MIN_TOKENS`` on, ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
+    quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs a warp-specialized
+    Gluon kernel (one program per SM, 64-token tiles): from ``E4M3_MIN_TOKENS`` the one with both
+    products in e4m3 (``MLA_FP8_E4M3``), from ``WGMMA_MIN_TOKENS`` the one that widens each tile
+    to fp16 (``MLA_FP8_WGMMA``); ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
     a program, so each tile is read once instead of by four 16-head programs, in the Gluon
     kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp program per SM), BF16
     and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``, which runs off
@@ -118,8 +126,9 @@ def pick_config(
         if group >= 64:
             return MLA_HEADS_M
         if fp8:
-            wide = tokens is None or tokens >= WGMMA_MIN_TOKENS
-            return MLA_FP8_E4M3 if wide else MLA_FP8_TRITON
+            if tokens is None or tokens >= E4M3_MIN_TOKENS:
+                return MLA_FP8_E4M3
+            return MLA_FP8_WGMMA if tokens >= WGMMA_MIN_TOKENS else MLA_FP8_TRITON
         return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)

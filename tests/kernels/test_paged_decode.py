@@ -26,8 +26,10 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8_ref,
 )
 from tessera.kernels.paged_decode_split import (
+    E4M3_MIN_TOKENS,
     MLA_FP8_E4M3,
     MLA_FP8_TRITON,
+    MLA_FP8_WGMMA,
     MLA_HEADS_M,
     WGMMA_MIN_TOKENS,
     DecodeConfig,
@@ -284,7 +286,9 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
     # too few tiles for one program an SM: the Triton kernel
     assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_E4M3
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_WGMMA
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1) == MLA_FP8_WGMMA
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3
     # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
     # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
     for heads, fp8, tokens in ((64, False, 1024), (128, True, 64 * 4096), (64, True, None)):
