@@ -94,11 +94,11 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
-# From this many tokens the e4m3 kernel is faster than the widening one: 1.09-1.15x from 64
-# requests of 4k (262,144 tokens) to 64 of 16k and 256 of 1k-8k; a tie on 64 requests of 1k-8k
-# (245,760), 0.95-0.99x at 4k-32k tokens, where most programs get a tile or two and its extra
-# hand-over (scores, then the transposition, then the output product) is not hidden
-# (bench/results/fp8_kv_e4m3_versions.json, both timed on the same data in one run).
+# From this many tokens the e4m3 kernel is faster than the widening one: 1.09-1.14x from 64
+# requests of 4k (262,144 tokens) to 64 of 16k and 256 of 1k-8k; a tie on 64 requests of
+# 1k-8k (245,760: 0.98-1.03x over three runs); 0.95-0.99x at 4k-32k tokens, where most programs
+# get a tile or two and its extra hand-over (scored, then transposed, then multiplied) is not
+# hidden (bench/results/fp8_kv_e4m3_versions.json, both timed on the same data in one run).
 E4M3_MIN_TOKENS = 262144
 
 def pick_config(
