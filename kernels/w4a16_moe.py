@@ -361,6 +361,26 @@ def align_to_experts(
     return pair_ids, block_expert
 
 
+_IDENTITY_PAIRS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def expert_blocks(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pair_ids, block_expert)`` for blocks of ``block_m`` rows: :func:`align_to_experts`,
+    except for blocks of one row, which need no sort: each pair is its own block, in pair
+    order, and its expert is its routing's (``topk_ids`` itself, read in place). One launch
+    less for the gemv path; the ``arange`` is made once per (device, pair count), so warm it
+    before capturing a CUDA graph, as the tuner does."""
+    if block_m != 1:
+        return align_to_experts(topk_ids, num_experts, block_m)
+    flat = topk_ids.reshape(-1)
+    key = (flat.device, flat.numel())
+    if key not in _IDENTITY_PAIRS:
+        _IDENTITY_PAIRS[key] = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+    return _IDENTITY_PAIRS[key], flat
+
+
 def _weight_args(w: W4A16Weight | torch.Tensor) -> tuple:
     """(weight, scales, zeros, strides, INT4, GROUP, HAS_ZEROS, N, K) for the kernel."""
     if isinstance(w, W4A16Weight):
@@ -534,13 +554,13 @@ def fused_moe(
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
-        # launches: align, up GEMM with SiLU-and-mul, down GEMM x routing with the top-k sum
-        # (unsplit tensor-core tiles: the sum is one more launch)
+        # launches: align (none for the gemv path), up GEMM with SiLU-and-mul, down GEMM x
+        # routing with the top-k sum (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
-        pair_ids, block_expert = align_to_experts(topk_ids, num_experts, up_cfg.block_m)
+        pair_ids, block_expert = expert_blocks(topk_ids, num_experts, up_cfg.block_m)
         act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
         if down_cfg.block_m != up_cfg.block_m:
-            pair_ids, block_expert = align_to_experts(topk_ids, num_experts, down_cfg.block_m)
+            pair_ids, block_expert = expert_blocks(topk_ids, num_experts, down_cfg.block_m)
         return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,
                         sum_rows=top_k)  # fmt: skip
 

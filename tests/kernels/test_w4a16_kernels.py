@@ -212,6 +212,18 @@ def test_align_to_experts_places_every_pair_once():
             assert rows.numel() > 0 and bool((flat[rows] == e).all())
 
 
+def test_blocks_of_one_row_are_the_pairs_in_order_with_their_routed_experts():
+    """The gemv path's blocks: no sort and no launch, every pair its own block."""
+    ids = torch.tensor([[3, 0], [0, 2], [1, 3]], device=DEVICE)
+    pair_ids, block_expert = moe_module.expert_blocks(ids, 4, 1)
+    assert pair_ids.tolist() == list(range(6)) and pair_ids.dtype == torch.int32
+    assert block_expert.tolist() == [3, 0, 0, 2, 1, 3]
+    assert moe_module.expert_blocks(ids, 4, 1)[0] is pair_ids  # made once
+    aligned = zip(moe_module.expert_blocks(ids, 4, 8), align_to_experts(ids, 4, 8), strict=True)
+    for got, want in aligned:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "experts,tokens,top_k,block_m", [(7, 9, 3, 4), (40, 33, 8, 16), (5, 1, 2, 8)]
 )
@@ -305,10 +317,10 @@ def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
 
 @pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
 def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
-    """One pair a program on CUDA cores: experts shared by several pairs (neighbouring
-    programs), column counts that are not a multiple of the tile (masked columns), a down K
+    """One pair a program on CUDA cores, in pair order with no alignment: experts shared by
+    several pairs, column counts that are not a multiple of the tile (masked columns), a down K
     (96) that ends inside a step, K split with an empty part, and the gemv path beside a
-    tensor-core tile in the other GEMM (the pairs aligned twice)."""
+    tensor-core tile in the other GEMM (aligned for that one only)."""
     experts, hidden, inter, tokens, top_k = 4, 384, 96, 5, 2
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
                                         symmetric, seed=7)  # fmt: skip
