@@ -370,15 +370,19 @@ def expert_blocks(
     """``(pair_ids, block_expert)`` for blocks of ``block_m`` rows: :func:`align_to_experts`,
     except for blocks of one row, which need no sort: each pair is its own block, in pair
     order, and its expert is its routing's (``topk_ids`` itself, read in place). One launch
-    less for the gemv path; the ``arange`` is made once per (device, pair count), so warm it
-    before capturing a CUDA graph, as the tuner does."""
+    less for the gemv path: the pair ids (an ``arange``) are made once per (device, pair count)
+    outside CUDA graph capture, where the tuner's first run makes them; made during a capture
+    they stay the graph's own (its memory), one launch in it."""
     if block_m != 1:
         return align_to_experts(topk_ids, num_experts, block_m)
     flat = topk_ids.reshape(-1)
     key = (flat.device, flat.numel())
-    if key not in _IDENTITY_PAIRS:
-        _IDENTITY_PAIRS[key] = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
-    return _IDENTITY_PAIRS[key], flat
+    pairs = _IDENTITY_PAIRS.get(key)
+    if pairs is None:
+        pairs = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+        if not (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _IDENTITY_PAIRS[key] = pairs
+    return pairs, flat
 
 
 def _weight_args(w: W4A16Weight | torch.Tensor) -> tuple:
