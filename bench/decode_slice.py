@@ -13,9 +13,10 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
   ``--int4-experts marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled
   w8a8, taken from its source file.
 - dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
-  Triton quantizer, per-row weight scales), INT4 through our ``w4a16_matmul`` (or Marlin's
-  ``gptq_marlin_gemm`` with ``--int4-linears marlin``, the same weights repacked); the
-  embedding, router and lm_head stay BF16 in both.
+  Triton quantizer, per-row weight scales), or with ``--fp8-linears deepgemm`` as SGLang runs
+  block-FP8 checkpoints on Hopper (DeepGEMM, ``deepgemm.py``); INT4 through our
+  ``w4a16_matmul`` (or Marlin's ``gptq_marlin_gemm`` with ``--int4-linears marlin``, the same
+  weights repacked); the embedding, router and lm_head stay BF16 in both.
 - once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
   argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
   ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
@@ -29,14 +30,13 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
     python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
         [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
         [--attention ours|flashmla] [--int4-linears ours|marlin] [--int4-experts ours|marlin]
-        [--marlin-dir DIR]
+        [--marlin-dir DIR] [--fp8-linears scaled-mm|deepgemm]
     python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import importlib
 import importlib.metadata
@@ -46,7 +46,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,8 +85,10 @@ from decode_slice_plan import (
     timed_levels,
     weights_comparison,
 )
+from deepgemm import DeepGemm
 from marlin import Marlin
 from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from sglang_source import find_sglang_source, load_triton_functions
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
     MLA_ROPE_DIM,
@@ -109,10 +110,6 @@ NORM_EPS = 1e-6
 
 # ---------------------------------------------------------------------------- SGLang kernels
 
-SGLANG_FILES = {  # file -> where the SGLang 0.5.23 wheel installs it
-    "fused_moe_triton_kernels.py": "sglang/kernels/ops/moe",
-    "fp8_kernel.py": "sglang/kernels/ops/quantization",
-}
 # Its default for block-scaled FP8 when no tuned file matches (none does for 48 or 32 local
 # experts of width 2048 on the H200), and two small-M tiles from its tuned H200 FP8 files.
 SGLANG_FP8_CONFIGS = (
@@ -123,34 +120,6 @@ SGLANG_FP8_CONFIGS = (
     {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
      "num_warps": 4, "num_stages": 3},
 )  # fmt: skip
-
-
-def find_sglang_source(name: str, src_dir: Path | None = None) -> Path:
-    """One of SGLang's kernel source files: in ``src_dir`` if given, else in the installed
-    package (found on sys.path without importing SGLang, which needs packages absent here)."""
-    candidates = [src_dir / name] if src_dir else []
-    candidates += [Path(p) / SGLANG_FILES[name] / name for p in sys.path if p]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"SGLang's {name} not found (pass --sglang-src)")
-
-
-def load_triton_functions(path: Path, names: set[str]) -> dict[str, Any]:
-    """The ``@triton.jit`` functions ``names`` of a source file, without importing the rest of
-    its module. Triton reads a kernel's source lines, so they are written to a file first."""
-    source = path.read_text()
-    tree = ast.parse(source)
-    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    if {n.name for n in nodes} != names:
-        raise SystemExit(f"{path} lacks {names - {n.name for n in nodes}}")
-    body = "\n\n\n".join("@triton.jit\n" + (ast.get_source_segment(source, n) or "") for n in nodes)
-    scratch = Path(tempfile.gettempdir()) / "tessera_sglang_kernels" / f"{path.stem}.py"
-    scratch.parent.mkdir(parents=True, exist_ok=True)
-    scratch.write_text("import triton\nimport triton.language as tl\n\n\n" + body + "\n")
-    namespace: dict[str, Any] = {"__name__": f"sglang_{path.stem}"}
-    exec(compile(scratch.read_text(), str(scratch), "exec"), namespace)
-    return {name: namespace[name] for name in names}
 
 
 @dataclass
@@ -228,11 +197,14 @@ def sglang_fp8_gemm(k: SglangKernels, a, a_scale, b, b_scale, pair_ids, block_ex
 
 @dataclass
 class Linear:
-    """``y = x @ W.T``: BF16 ``[N, K]``, FP8 ``[N, K]`` with fp32 row scales ``[1, N]``, or INT4."""
+    """``y = x @ W.T``: BF16 ``[N, K]``, FP8 ``[N, K]``, or INT4. FP8 carries two scale sets:
+    fp32 row scales ``[1, N]`` (``torch._scaled_mm``) and 128 x 128 block scales
+    ``[ceil(N / 128), K / 128]`` (the checkpoints' own, which DeepGEMM takes)."""
 
     kind: str
     weight: Any
     scale: torch.Tensor | None = None
+    block_scale: torch.Tensor | None = None
     marlin: tuple | None = None  # INT4 with --int4-linears marlin: the weight in Marlin's layout
 
     @property
@@ -373,8 +345,9 @@ class Gen:
         if kind == "bf16":
             return Linear("bf16", self.randn(n, k, scale=1 / math.sqrt(k)))
         if kind == "fp8":
-            scale = self.scales(1, n, scale=1 / (FP8_RMS * math.sqrt(k)))
-            return Linear("fp8", self.fp8(n, k), scale)
+            scale = 1 / (FP8_RMS * math.sqrt(k))
+            blocks = self.scales(-(-n // FP8_BLOCK), k // FP8_BLOCK, scale=scale)
+            return Linear("fp8", self.fp8(n, k), self.scales(1, n, scale=scale), blocks)
         return Linear("int4", self.int4(n=n, k=k, group=group))
 
     def experts(self, e: int, hidden: int, width: int, kind: str, group: int) -> Experts:
@@ -589,10 +562,11 @@ class KernelOps:
     """The kernels a serving GPU runs."""
 
     def __init__(self, sglang: SglangKernels | None, flashmla: Any = None,
-                 marlin: Marlin | None = None) -> None:  # fmt: skip
+                 marlin: Marlin | None = None, deepgemm: Any = None) -> None:  # fmt: skip
         self.sglang = sglang
         self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
         self.marlin = marlin  # INT4 weights with a Marlin copy run SGLang's Marlin kernels
+        self.deepgemm = deepgemm  # FP8 linears by DeepGEMM with block scales (deepgemm.py)
         self.constants: dict[tuple, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
@@ -603,6 +577,8 @@ class KernelOps:
             return self.marlin.gemm(x.contiguous(), *lin.marlin, out)
         if lin.kind == "int4":
             return w4a16_matmul(x.contiguous(), lin.weight)
+        if self.deepgemm is not None:
+            return self.deepgemm.linear(x, lin.weight, lin.block_scale)
         assert self.sglang is not None, "FP8 linears quantize activations with SGLang's kernel"
         xq, xs = group_quant_fp8(self.sglang, x, x.shape[1])
         return torch._scaled_mm(xq, lin.weight.T, scale_a=xs, scale_b=lin.scale,
@@ -712,6 +688,9 @@ class ReferenceOps(KernelOps):
             return (x.float() @ lin.weight.float().T).to(torch.bfloat16)
         if lin.kind == "int4":
             return w4a16_matmul_reference(x, lin.weight).to(torch.bfloat16)
+        if self.deepgemm is not None:
+            w = _dequant_block(lin.weight, lin.block_scale)
+            return (_dequant_groups(*group_quant_ref(x, FP8_BLOCK)) @ w.T).to(torch.bfloat16)
         xq, xs = group_quant_ref(x, x.shape[1])
         w = lin.weight.float() * lin.scale.view(-1, 1)
         return (_dequant_groups(xq, xs) @ w.T).to(torch.bfloat16)
@@ -749,7 +728,8 @@ class ReferenceOps(KernelOps):
 
 def _dequant_block(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     b = FP8_BLOCK
-    return w.float() * s.repeat_interleave(b, dim=0).repeat_interleave(b, dim=1)
+    s = s.repeat_interleave(b, dim=0).repeat_interleave(b, dim=1)
+    return w.float() * s[: w.shape[0], : w.shape[1]]
 
 
 # ---------------------------------------------------------------------------- the step
@@ -967,8 +947,9 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
         for c in levels:
             t1 = time.time()
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
+            ops = KernelOps(sglang, args.flashmla, args.marlin, args.deepgemm)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
-                             routing[c], KernelOps(sglang, args.flashmla, args.marlin))  # fmt: skip
+                             routing[c], ops)  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
             d_in = Gen(device, seed=c + 1).randn(c, shape.hidden)  # the last dense layer's output
             if w == "fp8":
@@ -1047,7 +1028,7 @@ def check_layer(step: SliceStep, x: torch.Tensor, delta: torch.Tensor, c: int) -
     layer's output (what it adds to the residual stream)."""
     out = step.moe_layer(0, x, delta)[1]
     kernels_ops = step.ops
-    step.ops = ReferenceOps(kernels_ops.sglang)
+    step.ops = ReferenceOps(kernels_ops.sglang, deepgemm=kernels_ops.deepgemm)
     ref = step.moe_layer(0, x, delta)[1]
     step.ops = kernels_ops
     return {"concurrency": c, "moe_layer_rel_l2": rel_l2(out, ref)}
@@ -1184,6 +1165,10 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "int4_experts": "Marlin (SGLang 0.5.23's moe_wna16_marlin_gemm; alignment, SiLU-and-mul "
                         "and top-k sum by our Triton launches)"
         if args.int4_experts == "marlin" else "ours (fused_moe)",
+        "fp8_linears": "DeepGEMM (sgl-deep-gemm 0.2.3.post2 fp8_gemm_nt, 128 x 128 weight blocks; "
+                       "activations by SGLang's Triton group-128 quantizer, column-major scales)"
+        if args.fp8_linears == "deepgemm" else "torch._scaled_mm (row scales; activations by "
+                                               "SGLang's Triton per-token quantizer)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1294,6 +1279,9 @@ def main() -> None:
                     help="INT4 dense linears: our GEMM or SGLang's Marlin")
     ap.add_argument("--int4-experts", choices=("ours", "marlin"), default="ours",
                     help="INT4 routed experts: our fused MoE or SGLang's Marlin MoE")
+    ap.add_argument("--fp8-linears", choices=("scaled-mm", "deepgemm"), default="scaled-mm",
+                    help="FP8 dense linears: torch._scaled_mm with row scales, or DeepGEMM with "
+                         "block scales as SGLang runs them on Hopper (deepgemm.py)")  # fmt: skip
     ap.add_argument("--marlin-dir", type=Path,
                     help="folder of Marlin's modules (bench/marlin_jit_build.py), for Marlin")
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
@@ -1318,6 +1306,7 @@ def main() -> None:
     sglang_src = find_sglang_source("fused_moe_triton_kernels.py", args.sglang_src)
     sglang = load_sglang_kernels(args.sglang_src)
     args.flashmla = importlib.import_module("flash_mla") if args.attention == "flashmla" else None
+    args.deepgemm = DeepGemm(args.sglang_src) if args.fp8_linears == "deepgemm" else None
     args.marlin = None
     if "marlin" in (args.int4_linears, args.int4_experts):
         if args.marlin_dir is None:

@@ -9,7 +9,7 @@ and input sets (working set above the 60 MB L2), median of replays, all in this 
 
     python bench/w4a16_bench.py [--quick] [--m 1,16,512] [--candidates] [--sglang-kernels PATH]
                                 [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--slice-linears]
-                                [--out DIR] [--tag _v3]
+                                [--deepgemm] [--out DIR] [--tag _v3]
 
 ``--marlin`` also times SGLang's Marlin (bench/marlin.py) on the same weights, repacked. Where the
 tuned GEMM splits K, the same tile with its splits met the other way (counted in the launch, or
@@ -94,6 +94,7 @@ def copies_for(nbytes: int) -> int:
 
 
 MARLIN: Marlin | None = None  # set by --marlin
+DEEPGEMM = None  # set by --deepgemm: deepgemm.DeepGemm
 
 
 def marlin_time(call, sets: int) -> tuple[float, str]:
@@ -160,6 +161,8 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             )
             marlin["x_vs_marlin"] = marlin["marlin_us"] / t_int4
             marlin["marlin_rel_l2_vs_fp32"] = rel_l2(MARLIN.gemm(xs[0], *mws[0], out_m), ref)
+        if DEEPGEMM is not None:
+            marlin.update(deepgemm_times(xs, fp8, m, n, k))
         tuned = [v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(m), n, k)]
         twin = {}
         if tuned and tuned[-1].split_k > 1:  # the same tile, its splits met the other way
@@ -192,9 +195,29 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
               + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
                  if marlin else "")
-              + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else ""),
+              + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else "")
+              + (f"  deepgemm {marlin['deepgemm_us']:6.1f}us "
+                 f"(gemm {marlin['deepgemm_gemm_us']:.1f})" if "deepgemm_us" in marlin else ""),
               flush=True)  # fmt: skip
     return rows
+
+
+def deepgemm_times(xs, fp8, m: int, n: int, k: int) -> dict:
+    """SGLang's block-FP8 linear on Hopper (deepgemm.py) on the fp8 weights: the whole linear
+    (activation quantization + GEMM, as SGLang runs it) and the GEMM alone, and its error."""
+    blocks = [torch.rand(-(-n // 128), k // 128, device="cuda") / 16 + 1 / 32 for _ in fp8]
+    res = {"deepgemm_us": graph_time_us(
+        lambda i: DEEPGEMM.linear(xs[i % 4], fp8[i % len(fp8)], blocks[i % len(fp8)]), len(fp8))}
+    q = [DEEPGEMM.quantize(x) for x in xs]
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    res["deepgemm_gemm_us"] = graph_time_us(
+        lambda i: DEEPGEMM.gemm(*q[i % 4], fp8[i % len(fp8)], blocks[i % len(fp8)], out),
+        len(fp8))  # fmt: skip
+    w = fp8[0].float() * blocks[0].repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    xq, xsc = q[0]
+    ref = (xq.float() * xsc.repeat_interleave(128, 1)) @ w.T
+    res["deepgemm_rel_l2_vs_quantized_fp32"] = rel_l2(DEEPGEMM.gemm(*q[0], fp8[0], blocks[0]), ref)
+    return res
 
 
 def _short(cfg) -> str:
@@ -308,7 +331,9 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     """Time each launch of the fused MoE forward (tuned tiles ``cfgs``) and the torch ops it
     replaced: the alignment (one Triton program vs about twenty torch ops), the up GEMM with
     SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the down GEMM
-    with the top-k sum (each counted GEMM with the zeroing of its workspace)."""
+    with the top-k sum (each counted GEMM with the zeroing of its workspace). Where both GEMMs
+    take blocks of one row (the gemv path), also the whole forward with its blocks made by the
+    alignment kernel, as before ``expert_blocks`` skipped it, beside the forward as it is."""
     (w13, w2), (up, down) = w, cfgs
     experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
     tokens = x.shape[0]
@@ -340,6 +365,18 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
         "down_gemm_topk_sum": lambda i: moe_gemm(act, w2, *aligned_down[i], pairs, 1, down,
                                                  routing[i], sum_rows=top_k),
     }  # fmt: skip
+    if up.block_m == down.block_m == 1:
+
+        def forward_aligned(i):
+            saved = w4a16_moe.expert_blocks
+            w4a16_moe.expert_blocks = align_to_experts
+            try:
+                return fused_moe(x, w13, w2, *rs[i])
+            finally:
+                w4a16_moe.expert_blocks = saved
+
+        times["forward"] = lambda i: fused_moe(x, w13, w2, *rs[i])
+        times["forward_aligned_blocks"] = forward_aligned
     return {part: graph_time_us(fn, len(rs)) for part, fn in times.items()}
 
 
@@ -528,6 +565,10 @@ def main() -> None:
     ap.add_argument(
         "--marlin", type=Path, help="folder of Marlin's modules built by bench/marlin_jit_build.py"
     )
+    ap.add_argument("--deepgemm", action="store_true",
+                    help="also time SGLang's block-FP8 linear through DeepGEMM (deepgemm.py: "
+                         "the sgl-deep-gemm wheel; SGLang's fp8_kernel.py beside "
+                         "--sglang-kernels or installed)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -539,6 +580,11 @@ def main() -> None:
     if args.marlin:
         global MARLIN
         MARLIN = Marlin(args.marlin)
+    if args.deepgemm:
+        global DEEPGEMM
+        from deepgemm import DeepGemm
+
+        DEEPGEMM = DeepGemm(args.sglang_kernels.parent if args.sglang_kernels else None)
     m_values = (1, 4, 16, 64) if args.quick else M_VALUES
     if args.m:
         m_values = tuple(int(v) for v in args.m.split(","))
