@@ -7,8 +7,10 @@ the activation is quantized per token in groups of 128 with fp32 scales stored c
 and TMA-aligned (rows padded to 4), then ``deep_gemm.fp8_gemm_nt`` multiplies. SGLang quantizes
 with sgl-kernel's CUDA op, whose compiled library does not load on the GPU machine's torch; its
 Triton twin ``_per_token_group_quant_8bit_colmajor`` from the same release runs here instead.
-DeepGEMM is the ``sgl-deep-gemm`` wheel SGLang pins (0.2.3.post2); it compiles each kernel
-with nvcc on first use (``DG_JIT_CACHE_DIR`` keeps them).
+SGLang pins its fork's wheel of DeepGEMM (``sgl-deep-gemm`` 0.2.3.post2), which does not load on
+that torch either; ``deepgemm_build.py`` builds upstream DeepGEMM, from which the fork's sm90
+block-FP8 GEMM derives (the fork adds 32-wide scale blocks and reorders its accumulation).
+Each kernel compiles with nvcc on first use (``DG_JIT_CACHE_DIR`` keeps them).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def colmajor_scales(rows: int, groups: int, device) -> torch.Tensor:
 
 class DeepGemm:
     def __init__(self, sglang_src: Path | None = None) -> None:
-        import deep_gemm  # the sgl-deep-gemm wheel; absent on machines without a Hopper GPU
+        import deep_gemm  # built by deepgemm_build.py; absent on machines without a Hopper GPU
 
         self.dg = deep_gemm
         path = find_sglang_source("fp8_kernel.py", sglang_src)
