@@ -194,7 +194,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
               + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
-                 if marlin else "")
+                 if "marlin_us" in marlin else "")
               + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else "")
               + (f"  deepgemm {marlin['deepgemm_us']:6.1f}us "
                  f"(gemm {marlin['deepgemm_gemm_us']:.1f})" if "deepgemm_us" in marlin else ""),
