@@ -4,6 +4,8 @@ runtime needs packages the benchmark machines lack): the benchmarks run them as 
 from __future__ import annotations
 
 import ast
+import hashlib
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,9 +37,16 @@ def load_triton_functions(path: Path, names: set[str]) -> dict[str, Any]:
     if {n.name for n in nodes} != names:
         raise SystemExit(f"{path} lacks {names - {n.name for n in nodes}}")
     body = "\n\n\n".join("@triton.jit\n" + (ast.get_source_segment(source, n) or "") for n in nodes)
-    scratch = Path(tempfile.gettempdir()) / "tessera_sglang_kernels" / f"{path.stem}.py"
+    text = "import triton\nimport triton.language as tl\n\n\n" + body + "\n"
+    # one file per content, written whole before it appears: processes loading other functions
+    # of the same source file at once (bench/deepgemm.py's compile pool) never read a partial one
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    scratch = Path(tempfile.gettempdir()) / "tessera_sglang_kernels" / f"{path.stem}_{digest}.py"
     scratch.parent.mkdir(parents=True, exist_ok=True)
-    scratch.write_text("import triton\nimport triton.language as tl\n\n\n" + body + "\n")
+    if not scratch.exists():
+        with tempfile.NamedTemporaryFile("w", dir=scratch.parent, suffix=".tmp", delete=False) as f:
+            f.write(text)
+        os.replace(f.name, scratch)
     namespace: dict[str, Any] = {"__name__": f"sglang_{path.stem}"}
-    exec(compile(scratch.read_text(), str(scratch), "exec"), namespace)
+    exec(compile(text, str(scratch), "exec"), namespace)
     return {name: namespace[name] for name in names}
