@@ -6,18 +6,18 @@ Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2). Tokens 
 to fp16 and whose consumer read that tile from shared memory at N = 16 for each product. Here:
 
 - The producer warpgroup copies each raw e4m3 tile into a slot of shared memory (``cp.async``,
-  16 bytes a thread and row), up to four tiles ahead. Once the consumer's scores are done with a
-  tile, the producer transposes its latent part in place (``V^T``, tokens along each row): FP8
-  MMA operands must be K-major, and the output product's K is the tokens. The bytes are
-  transposed in registers, 4 tokens by 4 dims at a time with eight byte permutes. In place, a
-  slot is one raw tile (36 KB), so five fit where a tile and a separate V^T (68 KB) fit three.
-- The consumer warpgroup runs the scores ``K @ [q_hi | q_lo]^T`` and the output
-  ``V^T @ [p_hi | p_lo]`` in e4m3, each operand's two parts side by side in one MMA of N = 2 x
-  16 (its first part and its rounding residual, so the products are 1.6e-3 accurate where one
-  e4m3 part is 3-5e-2): one pass over each tile per product, half the A bytes of the fp16
-  tile and a quarter of its MMA instructions per output column. A tile's scores are started
-  before the previous tile's output product, which then runs on the tensor cores while the
-  tile's softmax runs.
+  16 bytes a thread and row), up to five tiles ahead (a slot is one raw tile, 36 KB).
+- The consumer warpgroup runs the scores ``K @ [q_hi | q_lo]^T`` in e4m3 (q's two parts side by
+  side in one MMA of N = 2 x 16: its first part and its rounding residual, so the product is
+  1.6e-3 accurate where one e4m3 part is 3-5e-2) and the output ``V^T @ (p_hi + p_lo)``, the
+  two parts of p one MMA each into one accumulator. FP8 MMA operands must be K-major, and the
+  output product's K is the tokens, so V^T is the MMA's A operand in registers: each thread
+  reads 16 bytes (dims) of a token at a time from the raw tile and permutes bytes within its
+  registers into 4 tokens of one dim each (``_v_half``); the accumulator's rows stand for the
+  dims in the order that makes this possible, and the store puts each row at its dim. Nothing
+  hands a tile back to the producer but the end of its output product.
+- A tile's output product is started before the next tile's scores, so the slot goes back and
+  the A registers are free while the scores run; the softmax follows.
 
 The scales go where the widened kernel puts them: the per-token KV scale to the fp32 scores and
 to the probabilities (relative to the tile's largest, lifted by 2^8 so small weights stay
@@ -40,10 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .mla_decode_wgmma import (
     CONSUMER_ONLY,
     PRODUCER_ONLY,
-    _as_words,
     _load_q,
     _max_pair,
-    _reinterpret,
     _split_range,
     _store_partial,
     _tile_entry,
@@ -88,84 +86,68 @@ def _copy_tile(
 
 
 @gluon.jit
-def _transpose_4x4(words):
-    """Each thread's runs of 4 words (4 consecutive tokens, one word column: 4 dims each) as 4
-    words of one dim each (its 4 tokens in order): a 4 x 4 byte transpose, 8 ``prmt``."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 ab0, ab1, cd0, cd1;
-        prmt.b32 ab0, $4, $5, 0x5140;
-        prmt.b32 ab1, $4, $5, 0x7362;
-        prmt.b32 cd0, $6, $7, 0x5140;
-        prmt.b32 cd1, $6, $7, 0x7362;
-        prmt.b32 $0, ab0, cd0, 0x5410;
-        prmt.b32 $1, ab0, cd0, 0x7632;
-        prmt.b32 $2, ab1, cd1, 0x5410;
-        prmt.b32 $3, ab1, cd1, 0x7632;
-        }""",
-        constraints="=r,=r,=r,=r,r,r,r,r",
-        args=[words],
-        dtype=gl.int32,
-        is_pure=True,
-        pack=4,
+def _v_half(lat, half: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr):
+    """Half of a raw tile's tokens (32 of them), its latent part as the output product's A
+    operand in registers: ``V^T`` ([D, 32]) with its rows in the accumulator's order
+    (``_row_dims``). Half a tile at a time: the bytes as read and as permuted are both live
+    while they are permuted.
+
+    Each thread reads 16 consecutive bytes (dims) of 8 tokens; the A layout wants 4
+    consecutive tokens of a row in each register and 16 rows a thread (8 apart, then 64
+    apart). Rows are free to stand for any dims, so row ``64 b + 16 w + 8 j + q`` stands for
+    dim ``128 w + 16 q + 2 b + j``: the 16 rows of a thread are its 16 bytes, and turning
+    dims-in-a-register into tokens-in-a-register is a byte permute within each thread."""
+    gl.static_assert(D == 512, "the row order assumes 512 dims over 4 warps")
+    load_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 16]],
+        lane_bases=[[0, 4], [0, 8], [16, 0], [32, 0], [64, 0]],
+        warp_bases=[[128, 0], [256, 0]],
+        block_bases=[],
+        shape=[D, 32],
     )
+    v = lat.slice(32 * half, 32, dim=0).permute((1, 0)).load(load_l)  # [dims, tokens]
+    v = gl.permute(gl.reshape(v, [4, 8, 8, 2, 32]), (2, 0, 3, 1, 4))
+    return gl.convert_layout(gl.reshape(v, [D, 32]), a_l)
 
 
 @gluon.jit
-def _transpose_in_place(lat_w, vt_w, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """The raw tile's latent part ``lat_w`` ([BLOCK_N, D / 4] words) as V^T over the same bytes,
-    ``vt_w`` ([D, BLOCK_N / 4] words): all of it read before any of it is written."""
-    # 16 tokens of one word column a thread, a warp 32 word columns: one row's 128 bytes a
-    # warp, conflict-free
-    tr_l: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [4, 1], [1, 0])
-    t = _transpose_4x4(lat_w.load(tr_l))
-    # element [4 g + j, c] holds dim 4 c + j, tokens 4 g .. 4 g + 3
-    t = gl.reshape(t, [BLOCK_N // 4, 4, D // 4])
-    t = gl.permute(t, (2, 1, 0))
-    # (the store waits for every thread's loads: the compiler's barrier between accesses to
-    # one buffer, which it cannot tell apart)
-    vt_w.store(gl.reshape(t, [D, BLOCK_N // 4]))
+def _output_product(lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr):
+    """Starts ``acc += V^T (p_hi + p_lo)`` for a raw tile (``p_s``: [p_hi; p_lo] in shared
+    memory, [2 BLOCK_H, tokens]): four MMA groups, 32 tokens and one part of p each, all into
+    one accumulator (the parts side by side in one MMA would double its registers)."""
+    for half in gl.static_range(2):
+        v = _v_half(lat, half, a_l, D)
+        for part in gl.static_range(2):
+            p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * half, 32, dim=1)
+            acc = warpgroup_mma(v, p_t.permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _row_dims(layout: gl.constexpr, D: gl.constexpr):
+    """The dim each accumulator row holds (``_v_operand``'s order)."""
+    r = gl.arange(0, D, layout=layout)
+    return 128 * (r // 16 % 4) + 16 * (r % 8) + 2 * (r // 64) + r // 8 % 2
 
 
 @gluon.jit
 def _producer(
-    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, scored,
-    transposed, empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Copies each raw tile into a free slot ``NUM_BUF - 1`` tiles ahead, and once the
-    consumer's scores are done with a tile transposes its latent part in place."""
+    """Copies each raw tile into the next free slot."""
     tiles = gl.cdiv(end - start, BLOCK_N)
-    if ONLY == CONSUMER_ONLY:  # hands the slots over as they are
-        for i in range(tiles):
-            buf = i % NUM_BUF
-            mbarrier.wait(empty.index(buf), (i // NUM_BUF & 1) ^ 1)
-            mbarrier.arrive(loaded.index(buf), count=PRODUCER_THREADS)
-            mbarrier.wait(scored.index(buf), i // NUM_BUF & 1)
-            mbarrier.arrive(transposed.index(buf), count=1)
-        return
-    lat_w_all = _as_words(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
-    vt_w_all = _as_words(k_lat_all, [NUM_BUF, D, BLOCK_N // 4], 64)
-    for first in gl.static_range(NUM_BUF - 1):
-        if first < tiles:
-            _copy_tile(KV, indices, row, start + first * BLOCK_N, end, stride_kv_slot,
-                       k_lat_all.index(first), k_rope_all.index(first), PAGE_SIZE,
-                       ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
-            async_copy.mbarrier_arrive(loaded.index(first), increment_count=False)
     for i in range(tiles):
         buf = i % NUM_BUF
-        mbarrier.wait(scored.index(buf), i // NUM_BUF & 1)  # (so it has landed, too)
-        _transpose_in_place(lat_w_all.index(buf), vt_w_all.index(buf), BLOCK_N, D)
-        fence_async_shared()
-        mbarrier.arrive(transposed.index(buf), count=1)
-        ahead = i + NUM_BUF - 1
-        if ahead < tiles:
-            slot = ahead % NUM_BUF
-            mbarrier.wait(empty.index(slot), (ahead // NUM_BUF & 1) ^ 1)  # its last tile done
-            _copy_tile(KV, indices, row, start + ahead * BLOCK_N, end, stride_kv_slot,
-                       k_lat_all.index(slot), k_rope_all.index(slot), PAGE_SIZE,
+        mbarrier.wait(empty.index(buf), (i // NUM_BUF & 1) ^ 1)  # its last tile done
+        if ONLY == CONSUMER_ONLY:  # hands the slot over as it is
+            mbarrier.arrive(loaded.index(buf), count=PRODUCER_THREADS)
+        else:
+            _copy_tile(KV, indices, row, start + i * BLOCK_N, end, stride_kv_slot,
+                       k_lat_all.index(buf), k_rope_all.index(buf), PAGE_SIZE,
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
-            async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
+            async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
 
 
 @gluon.jit
@@ -178,44 +160,37 @@ def _halves_sum(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _both_halves(v, layout: gl.constexpr):
-    """``[v, v]`` in ``layout`` (a slice of the N-wide MMA layout)."""
-    H: gl.constexpr = v.shape[0]
-    return gl.convert_layout(gl.reshape(gl.permute(gl.join(v, v), (1, 0)), [2 * H]), layout)
-
-
-@gluon.jit
 def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-    k_lat_all, k_rope_all, p_s, loaded, scored, transposed, empty, part_out, part_lse, b, split,
+    k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
     hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Each tile's scores (then hands its latent part to the producer to transpose), the
-    previous tile's output product (which frees that slot) and this tile's online softmax; then
-    the split's partial output and log-sum-exp."""
+    """Each tile's scores, the previous tile's output product (which frees that slot) and this
+    tile's online softmax; then the split's partial output and log-sum-exp."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
     )
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
     )
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
     q_unit = gl.convert_layout(q_unit, head_l)
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    acc = gl.zeros([D, 2 * BLOCK_H], gl.float32, wide)  # o^T over [p_hi | p_lo]
+    acc = gl.zeros([D, BLOCK_H], gl.float32, acc_l)  # o^T
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
-    vt_all = _reinterpret(k_lat_all, gl.float8e4nv, [NUM_BUF, D, BLOCK_N], 64)
     tiles = gl.cdiv(end - start, BLOCK_N)
     if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
         for i in range(tiles):
             buf = i % NUM_BUF
             mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
-            mbarrier.arrive(scored.index(buf), count=1)
-            mbarrier.wait(transposed.index(buf), i // NUM_BUF & 1)
             mbarrier.arrive(empty.index(buf), count=1)
     else:
         n0 = start
@@ -230,20 +205,21 @@ def _consumer(
         for i in range(tiles):
             buf = i % NUM_BUF
             prev = (i + NUM_BUF - 1) % NUM_BUF
+            if i > 0:  # the previous tile's output product first: its slot goes back sooner
+                pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H)
+            else:
+                pv = warpgroup_mma_init(acc)
             mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
             fence_async_shared()  # the copies' writes, before the products read them
             scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
                                    use_acc=False, is_async=True)  # fmt: skip
             scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
                                    is_async=True)  # fmt: skip
-            if i > 0:  # the previous tile's output product, on the tensor cores during the softmax
-                mbarrier.wait(transposed.index(prev), (i - 1) // NUM_BUF & 1)
-                pv = warpgroup_mma(vt_all.index(prev), p_s.permute((1, 0)), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(scores,))
-            else:
-                pv = warpgroup_mma_init(acc)
-                s = warpgroup_mma_wait(0, deps=(scores,))
-            mbarrier.arrive(scored.index(buf), count=1)
+            # the output product done (MMA groups retire in order): its slot, p's buffer and
+            # the A registers are free while the scores run
+            acc = warpgroup_mma_wait(2, deps=(pv,))
+            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
+            s = warpgroup_mma_wait(0, deps=(scores,))
             slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                                           ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
@@ -264,10 +240,7 @@ def _consumer(
             alpha = alpha * (acc_unit / v_top)
             acc_unit = v_top
             p_hi = p.to(gl.float8e4nv)
-            # the previous product done: its slot, p's buffer and the accumulator are free
-            acc = warpgroup_mma_wait(0, deps=(pv,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
-            acc = acc * _both_halves(alpha, gl.SliceLayout(0, wide))[None, :]
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc_l))[None, :]
             p_hi_s.store(p_hi)
             p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
             fence_async_shared()
@@ -275,12 +248,12 @@ def _consumer(
             scale, mask = next_scale, next_mask
             n0 += BLOCK_N
         if tiles > 0:  # the last tile's output product
-            last = (tiles - 1) % NUM_BUF
-            mbarrier.wait(transposed.index(last), (tiles - 1) // NUM_BUF & 1)
-            acc = warpgroup_mma(vt_all.index(last), p_s.permute((1, 0)), acc)
-    _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
-                   part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps, D,
-                   BLOCK_H, mma, mma)  # fmt: skip
+            last = k_lat_all.index((tiles - 1) % NUM_BUF)
+            acc = warpgroup_mma_wait(0, deps=(_output_product(last, p_s, acc, a_l, D,
+                                                              BLOCK_H),))
+    _store_partial(gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
+                   part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps,
+                   _row_dims(tok_l, D), BLOCK_H, mma, mma)  # fmt: skip
     # (stored from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion would
     # need 16 KB of scratch, which shared memory does not have)
 
@@ -365,30 +338,26 @@ def mla_fp8_e4m3_kernel(
     )  # fmt: skip
     p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
                                     gl.NVMMASharedLayout(64, 8))  # fmt: skip
-    # a slot's round: loaded (its copies landed, every producer thread's), scored (the consumer's
-    # scores done with it), transposed (V^T written over it), empty (the output product done)
+    # a slot's round: loaded (its copies landed, every producer thread's), empty (the output
+    # product done with it)
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    scored = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    transposed = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
-        mbarrier.init(scored.index(i), count=1)
-        mbarrier.init(transposed.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
         [
             (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, scored,
-                         transposed, empty, part_out, part_lse, b, split, hb, num_heads,
+                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty,
+                         part_out, part_lse, b, split, hb, num_heads,
                          stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
                          BLOCK_H, BLOCK_N, ONLY)),
             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
-                         loaded, scored, transposed, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
-                         BLOCK_N, D, D_ROPE, ONLY)),
+                         loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
+                         ONLY)),
         ],
         [4],
-        [128],  # the producer holds a whole tile's words while transposing it
+        [64],
     )  # fmt: skip

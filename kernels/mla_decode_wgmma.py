@@ -292,31 +292,31 @@ def _consumer(
             scale, mask = next_scale, next_mask
         mbarrier.arrive(empty.index(buf), count=1)
         n0 += BLOCK_N
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, OUT_DIMS_FASTEST))
     _store_partial(acc, acc_unit, m, gl.sum(l_rows, axis=0), part_out, part_lse, b, split, hb,
-                   num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H, mma,
+                   num_heads, stride_pb, stride_ph, stride_ps, dims, BLOCK_H, mma,
                    OUT_DIMS_FASTEST)  # fmt: skip
 
 
 @gluon.jit
 def _store_partial(
     acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, mma: gl.constexpr,
-    out_l: gl.constexpr,
+    stride_ps, dims, BLOCK_H: gl.constexpr, mma: gl.constexpr, out_l: gl.constexpr,
 ):  # fmt: skip
-    """The split's output (``acc`` is o^T over ``acc_unit``, stored from ``out_l``) and
-    log-sum-exp per head."""
+    """The split's output (``acc`` is o^T over ``acc_unit``, stored from ``out_l``; row r
+    holds dim ``dims[r]``) and log-sum-exp per head."""
     empty = l == 0.0  # a split past the request's end
     l = gl.where(empty, 1.0, l)
     lse = gl.where(empty, float("-inf"), m + gl.log2(l))
     out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(1, out_l))
     part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
     # a split past the request's end stores only its log-sum-exp (the merge reads that first)
     written = (ho < num_heads) & gl.convert_layout(~empty, gl.SliceLayout(0, out_l))
     gl.store(part + dims[:, None], out, mask=written[None, :])
     hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
-    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
+    lse_at = (b * stride_pb + hl * stride_ph) // dims.shape[0] + split
+    gl.store(part_lse + lse_at, lse, mask=hl < num_heads)
 
 
 @gluon.jit

@@ -63,7 +63,7 @@ class DecodeConfig:
     # wave's plan overflows it (plan_balanced_waves): shorter splits, less left for the last
     balanced_waves: int = 1
     # MLA over FP8 pages, 16 heads a program: the Gluon kernel with both products in e4m3
-    # (mla_decode_e4m3.py; q and p in two e4m3 parts, V transposed in shared memory, nothing
+    # (mla_decode_e4m3.py; q and p in two e4m3 parts, V^T an MMA operand in registers, nothing
     # widened); under the interpreter and off Hopper, MLA_FP8_TRITON runs instead
     e4m3: bool = False
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
@@ -94,11 +94,11 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
-# From this many tokens the e4m3 kernel is faster than the widening one: 1.09-1.14x from 64
-# requests of 4k (262,144 tokens) to 64 of 16k and 256 of 1k-8k; a tie on 64 requests of
-# 1k-8k (245,760: 0.98-1.03x over three runs); 0.95-0.99x at 4k-32k tokens, where most programs
-# get a tile or two and its extra hand-over (scored, then transposed, then multiplied) is not
-# hidden (bench/results/fp8_kv_e4m3_versions.json, both timed on the same data in one run).
+# From this many tokens the e4m3 kernel is faster than the widening one: 1.06-1.08x at 262,144
+# tokens (64 requests of 4k, 32 of 8k), 1.18-1.25x at 524k-1M (256 of 2k at 8 heads, 64 of 16k,
+# 128 of 8k); at 131,072 tokens 0.92-0.96x with 16 heads (1.07x with 8)
+# (bench/results/fp8_kv_e4m3_rega_ab.json, fp8_kv_e4m3_rega_small.json: both timed on the
+# same data in one run).
 E4M3_MIN_TOKENS = 262144
 
 def pick_config(
