@@ -1165,8 +1165,9 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "int4_experts": "Marlin (SGLang 0.5.23's moe_wna16_marlin_gemm; alignment, SiLU-and-mul "
                         "and top-k sum by our Triton launches)"
         if args.int4_experts == "marlin" else "ours (fused_moe)",
-        "fp8_linears": "DeepGEMM (sgl-deep-gemm 0.2.3.post2 fp8_gemm_nt, 128 x 128 weight blocks; "
-                       "activations by SGLang's Triton group-128 quantizer, column-major scales)"
+        "fp8_linears": f"DeepGEMM {args.deepgemm.dg.__version__} (fp8_gemm_nt, 128 x 128 weight "
+                       "blocks; activations by SGLang's Triton group-128 quantizer, column-major "
+                       "scales)"
         if args.fp8_linears == "deepgemm" else "torch._scaled_mm (row scales; activations by "
                                                "SGLang's Triton per-token quantizer)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
