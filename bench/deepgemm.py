@@ -15,6 +15,9 @@ Each kernel compiles with nvcc on first use (``DG_JIT_CACHE_DIR`` keeps them).
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing as mp
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +28,8 @@ FP8_MAX = 448.0
 
 
 def supported(n: int, k: int) -> bool:
-    """SGLang's own test (``_deepgemm_block_fp8_supported``); other shapes fall back to Triton."""
+    """SGLang's own test (``_deepgemm_block_fp8_supported``): it sends other shapes to its
+    Triton GEMM, which this peer does not run (``DeepGemm.linear`` refuses them)."""
     return n % 64 == 0 and k % GROUP == 0
 
 
@@ -80,8 +84,6 @@ def quantize_colmajor(kernel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _compile_one(job: tuple[int, int, int, str | None]) -> tuple[int, int, int, float]:
     """Run one linear so that DeepGEMM compiles (or finds in its cache) the kernel for it."""
     m, n, k, src = job
-    import time
-
     dg = DeepGemm(Path(src) if src else None)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -93,9 +95,6 @@ def _compile_one(job: tuple[int, int, int, str | None]) -> tuple[int, int, int, 
 
 
 def main() -> None:
-    import argparse
-    import multiprocessing as mp
-
     ap = argparse.ArgumentParser(description="compile DeepGEMM's kernels for these linears "
                                              "in parallel processes (one nvcc each), ahead of a "
                                              "benchmark; DG_JIT_CACHE_DIR keeps them")  # fmt: skip
