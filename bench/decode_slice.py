@@ -13,10 +13,10 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
   ``--int4-experts marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled
   w8a8, taken from its source file.
 - dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
-  Triton quantizer, per-row weight scales), or with ``--fp8-linears deepgemm`` as SGLang runs
-  block-FP8 checkpoints on Hopper (DeepGEMM, ``deepgemm.py``); INT4 through our
-  ``w4a16_matmul`` (or Marlin's ``gptq_marlin_gemm`` with ``--int4-linears marlin``, the same
-  weights repacked); the embedding, router and lm_head stay BF16 in both.
+  Triton quantizer, per-row weight scales), or as SGLang runs block-FP8 checkpoints on Hopper
+  (DeepGEMM, ``deepgemm.py``: the default where ``deep_gemm`` imports, as in SGLang); INT4
+  through our ``w4a16_matmul`` (or Marlin's ``gptq_marlin_gemm`` with ``--int4-linears
+  marlin``, the same weights repacked); the embedding, router and lm_head stay BF16 in both.
 - once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
   argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
   ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
@@ -30,7 +30,7 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
     python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
         [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
         [--attention ours|flashmla] [--int4-linears ours|marlin] [--int4-experts ours|marlin]
-        [--marlin-dir DIR] [--fp8-linears scaled-mm|deepgemm]
+        [--marlin-dir DIR] [--fp8-linears auto|scaled-mm|deepgemm]
     python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
 """
 
@@ -40,6 +40,7 @@ import argparse
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -1168,7 +1169,7 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "fp8_linears": f"DeepGEMM {args.deepgemm.dg.__version__} (fp8_gemm_nt, 128 x 128 weight "
                        "blocks; activations by SGLang's Triton group-128 quantizer, column-major "
                        "scales)"
-        if args.fp8_linears == "deepgemm" else "torch._scaled_mm (row scales; activations by "
+        if args.deepgemm else "torch._scaled_mm (row scales; activations by "
                                                "SGLang's Triton per-token quantizer)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
@@ -1280,9 +1281,10 @@ def main() -> None:
                     help="INT4 dense linears: our GEMM or SGLang's Marlin")
     ap.add_argument("--int4-experts", choices=("ours", "marlin"), default="ours",
                     help="INT4 routed experts: our fused MoE or SGLang's Marlin MoE")
-    ap.add_argument("--fp8-linears", choices=("scaled-mm", "deepgemm"), default="scaled-mm",
+    ap.add_argument("--fp8-linears", choices=("auto", "scaled-mm", "deepgemm"), default="auto",
                     help="FP8 dense linears: torch._scaled_mm with row scales, or DeepGEMM with "
-                         "block scales as SGLang runs them on Hopper (deepgemm.py)")  # fmt: skip
+                         "block scales as SGLang runs them on Hopper (deepgemm.py); auto: "
+                         "DeepGEMM where it imports, as SGLang chooses")  # fmt: skip
     ap.add_argument("--marlin-dir", type=Path,
                     help="folder of Marlin's modules (bench/marlin_jit_build.py), for Marlin")
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
@@ -1307,6 +1309,10 @@ def main() -> None:
     sglang_src = find_sglang_source("fused_moe_triton_kernels.py", args.sglang_src)
     sglang = load_sglang_kernels(args.sglang_src)
     args.flashmla = importlib.import_module("flash_mla") if args.attention == "flashmla" else None
+    # SGLang's own choice: DeepGEMM whenever it imports
+    if args.fp8_linears == "auto":
+        has_deepgemm = importlib.util.find_spec("deep_gemm") is not None
+        args.fp8_linears = "deepgemm" if has_deepgemm else "scaled-mm"
     args.deepgemm = DeepGemm(args.sglang_src) if args.fp8_linears == "deepgemm" else None
     args.marlin = None
     if "marlin" in (args.int4_linears, args.int4_experts):
