@@ -11,6 +11,8 @@ and input sets (working set above the 60 MB L2), median of replays, all in this 
                                 [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--slice-linears]
                                 [--deepgemm] [--out DIR] [--tag _v3]
 
+``--deepgemm`` also times SGLang's block-FP8 linear as it runs on Hopper (bench/deepgemm.py:
+its group-128 quantizer, then DeepGEMM), whole and GEMM alone, on the fp8 weights.
 ``--marlin`` also times SGLang's Marlin (bench/marlin.py) on the same weights, repacked. Where the
 tuned GEMM splits K, the same tile with its splits met the other way (counted in the launch, or
 added into a zeroed output and cast: ``GemmConfig.counted``) is timed beside it
