@@ -66,3 +66,13 @@ def test_deepgemm_linear_matches_block_scaled_reference(quant_kernel, m: int, n:
     ref = ds._dequant_groups(*ds.group_quant_ref(x, 128)) @ ds._dequant_block(w, blocks).T
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert ds.rel_l2(out, ref) < 1e-2
+
+
+def test_block_dequantization_covers_a_partial_last_block() -> None:
+    """The reference for block-scaled linears whose N is not a multiple of 128 (2,112 in Kimi
+    K2's fused q_a + kv_a): the last row block's scale covers the rows that exist."""
+    w = torch.ones(200, 256).to(torch.float8_e4m3fn)
+    blocks = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    deq = ds._dequant_block(w, blocks)
+    assert deq.shape == (200, 256)
+    assert deq[0, 0] == 1 and deq[127, 255] == 2 and deq[128, 0] == 3 and deq[199, 255] == 4
