@@ -125,7 +125,7 @@ def _output_product(lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: 
 
 @gluon.jit
 def _row_dims(layout: gl.constexpr, D: gl.constexpr):
-    """The dim each accumulator row holds (``_v_operand``'s order)."""
+    """The dim each accumulator row holds (``_v_half``'s order)."""
     r = gl.arange(0, D, layout=layout)
     return 128 * (r // 16 % 4) + 16 * (r % 8) + 2 * (r // 64) + r // 8 % 2
 
