@@ -53,7 +53,7 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads):
-    """Both products in e4m3 (q and p in two parts, V transposed by the producer): the same
+    """Both products in e4m3 (q and p in two parts, V^T an MMA operand in registers): the same
     edge lengths, head counts and page tables as the widening kernel, the same tolerance."""
     run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_FP8_E4M3,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
