@@ -421,7 +421,7 @@ MLA_PEER_VARIANTS = {
     # the three FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
     # E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also what runs off Hopper), the
     # Gluon one that widens each tile to fp16, and the Gluon one with both products in e4m3
-    # (q and p in two e4m3 parts, V^T written over each tile's latent part)
+    # (q and p in two e4m3 parts, V^T an MMA operand in registers)
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
