@@ -86,7 +86,7 @@ from decode_slice_plan import (
     timed_levels,
     weights_comparison,
 )
-from deepgemm import DeepGemm
+from deepgemm import DeepGemm, dequantize_blocks, dequantize_groups
 from marlin import Marlin
 from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from sglang_source import find_sglang_source, load_triton_functions
@@ -158,11 +158,6 @@ def group_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     scale = xf.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(rows, cols), scale
-
-
-def _dequant_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // scale.shape[1]
-    return q.float() * scale.repeat_interleave(group, dim=1)
 
 
 def _sm90(device: torch.device) -> bool:
@@ -690,11 +685,11 @@ class ReferenceOps(KernelOps):
         if lin.kind == "int4":
             return w4a16_matmul_reference(x, lin.weight).to(torch.bfloat16)
         if self.deepgemm is not None:
-            w = _dequant_block(lin.weight, lin.block_scale)
-            return (_dequant_groups(*group_quant_ref(x, FP8_BLOCK)) @ w.T).to(torch.bfloat16)
+            w = dequantize_blocks(lin.weight, lin.block_scale)
+            return (dequantize_groups(*group_quant_ref(x, FP8_BLOCK)) @ w.T).to(torch.bfloat16)
         xq, xs = group_quant_ref(x, x.shape[1])
         w = lin.weight.float() * lin.scale.view(-1, 1)
-        return (_dequant_groups(xq, xs) @ w.T).to(torch.bfloat16)
+        return (dequantize_groups(xq, xs) @ w.T).to(torch.bfloat16)
 
     def moe(self, x: torch.Tensor, e: Experts, r: LayerRouting) -> torch.Tensor:
         used = r.ids.unique()
@@ -709,11 +704,11 @@ class ReferenceOps(KernelOps):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for j, expert in enumerate(used.tolist()):
             rows = (local[:, 0] == j).nonzero().squeeze(1)
-            w13 = _dequant_block(e.w13[expert], e.s13[expert])
-            w2 = _dequant_block(e.w2[expert], e.s2[expert])
-            h = (_dequant_groups(*group_quant_ref(x[rows], FP8_BLOCK)) @ w13.T).to(torch.bfloat16)
+            w13 = dequantize_blocks(e.w13[expert], e.s13[expert])
+            w2 = dequantize_blocks(e.w2[expert], e.s2[expert])
+            h = (dequantize_groups(*group_quant_ref(x[rows], FP8_BLOCK)) @ w13.T).to(torch.bfloat16)
             gate, up = h.chunk(2, dim=-1)
-            act = _dequant_groups(*group_quant_ref(F.silu(gate) * up, FP8_BLOCK))
+            act = dequantize_groups(*group_quant_ref(F.silu(gate) * up, FP8_BLOCK))
             out[rows] = (r.weights[rows] * (act @ w2.T)).to(torch.bfloat16).float()
         return out.to(torch.bfloat16)
 
@@ -725,12 +720,6 @@ class ReferenceOps(KernelOps):
         else:
             out = paged_decode_mla_fp8_ref(q, cache.rows, cache.scale, batch.table, sm_scale)
         return out.to(torch.bfloat16)
-
-
-def _dequant_block(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    b = FP8_BLOCK
-    s = s.repeat_interleave(b, dim=0).repeat_interleave(b, dim=1)
-    return w.float() * s[: w.shape[0], : w.shape[1]]
 
 
 # ---------------------------------------------------------------------------- the step

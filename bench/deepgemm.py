@@ -40,6 +40,19 @@ def colmajor_scales(rows: int, groups: int, device) -> torch.Tensor:
     return torch.empty(groups, padded, dtype=torch.float32, device=device).t()[:rows]
 
 
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e4m3 ``q`` [rows, cols] with one scale per group of columns."""
+    group = q.shape[1] // scale.shape[1]
+    return q.float() * scale.repeat_interleave(group, dim=1)
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e4m3 ``w`` [N, K] with one scale per 128 x 128 block (the last row block
+    may be partial)."""
+    s = scale.repeat_interleave(GROUP, dim=0).repeat_interleave(GROUP, dim=1)
+    return w.float() * s[: w.shape[0], : w.shape[1]]
+
+
 class DeepGemm:
     def __init__(self, sglang_src: Path | None = None) -> None:
         import deep_gemm  # built by deepgemm_build.py; absent on machines without a Hopper GPU

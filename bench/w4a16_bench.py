@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from accuracy import rel_l2
+from deepgemm import DeepGemm, dequantize_blocks, dequantize_groups
 from marlin import Marlin, marlin_block
 from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
@@ -215,9 +216,7 @@ def deepgemm_times(xs, fp8, m: int, n: int, k: int) -> dict:
     res["deepgemm_gemm_us"] = graph_time_us(
         lambda i: DEEPGEMM.gemm(*q[i % 4], fp8[i % len(fp8)], blocks[i % len(fp8)], out),
         len(fp8))  # fmt: skip
-    w = fp8[0].float() * blocks[0].repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    xq, xsc = q[0]
-    ref = (xq.float() * xsc.repeat_interleave(128, 1)) @ w.T
+    ref = dequantize_groups(*q[0]) @ dequantize_blocks(fp8[0], blocks[0]).T
     res["deepgemm_rel_l2_vs_quantized_fp32"] = rel_l2(DEEPGEMM.gemm(*q[0], fp8[0], blocks[0]), ref)
     return res
 
@@ -568,8 +567,8 @@ def main() -> None:
         "--marlin", type=Path, help="folder of Marlin's modules built by bench/marlin_jit_build.py"
     )
     ap.add_argument("--deepgemm", action="store_true",
-                    help="also time SGLang's block-FP8 linear through DeepGEMM (deepgemm.py: "
-                         "the sgl-deep-gemm wheel; SGLang's fp8_kernel.py beside "
+                    help="also time SGLang's block-FP8 linear through DeepGEMM (deepgemm.py; "
+                         "DeepGEMM built by deepgemm_build.py, SGLang's fp8_kernel.py beside "
                          "--sglang-kernels or installed)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
@@ -584,8 +583,6 @@ def main() -> None:
         MARLIN = Marlin(args.marlin)
     if args.deepgemm:
         global DEEPGEMM
-        from deepgemm import DeepGemm
-
         DEEPGEMM = DeepGemm(args.sglang_kernels.parent if args.sglang_kernels else None)
     m_values = (1, 4, 16, 64) if args.quick else M_VALUES
     if args.m:

@@ -42,8 +42,8 @@ def test_group_quantizer_writes_deepgemm_scale_layout(quant_kernel, rows: int) -
     assert xs.shape == (rows, 3) and xs.stride() == (1, padded)  # column-major, rows padded to 4
     torch.testing.assert_close(xs, s_ref, rtol=1e-6, atol=0)
     assert xs[0, 1] > 50 * xs[0, 0]
-    deq = ds._dequant_groups(xq, xs)
-    ref = ds._dequant_groups(q_ref, s_ref)
+    deq = deepgemm.dequantize_groups(xq, xs)
+    ref = deepgemm.dequantize_groups(q_ref, s_ref)
     assert ds.rel_l2(deq, ref) < 1e-3
     assert ds.rel_l2(deq, x.float()) < 0.05  # e4m3 keeps about 2 decimal digits
 
@@ -63,7 +63,8 @@ def test_deepgemm_linear_matches_block_scaled_reference(quant_kernel, m: int, n:
     w = gen.fp8(n, k)
     blocks = gen.scales(-(-n // 128), k // 128, scale=1 / k**0.5)
     out = dg.linear(x, w, blocks)
-    ref = ds._dequant_groups(*ds.group_quant_ref(x, 128)) @ ds._dequant_block(w, blocks).T
+    x_ref = deepgemm.dequantize_groups(*ds.group_quant_ref(x, 128))
+    ref = x_ref @ deepgemm.dequantize_blocks(w, blocks).T
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert ds.rel_l2(out, ref) < 1e-2
 
@@ -73,6 +74,6 @@ def test_block_dequantization_covers_a_partial_last_block() -> None:
     K2's fused q_a + kv_a): the last row block's scale covers the rows that exist."""
     w = torch.ones(200, 256).to(torch.float8_e4m3fn)
     blocks = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    deq = ds._dequant_block(w, blocks)
+    deq = deepgemm.dequantize_blocks(w, blocks)
     assert deq.shape == (200, 256)
     assert deq[0, 0] == 1 and deq[127, 255] == 2 and deq[128, 0] == 3 and deq[199, 255] == 4
