@@ -201,7 +201,8 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
         # What an unserved child would replace (a phase's Deployment) keeps serving.
         kept = {d["metadata"]["name"] for d in unserved}
         prune = [o for k, o in children.items() if k not in wanted and k[2] not in kept]
-    workloads = {component: _observe(spec, children, meta["namespace"], meta["name"], component)
+    workloads = {component: _observe(spec, children, pods, meta["namespace"], meta["name"],
+                                     component)
                  for component in (*phases_of(spec), c.ROUTER)}
     refusals = observe_refusals(spec, {name: w.replica_failure if w else ""
                                        for name, w in workloads.items()}, pods, rejections)
@@ -210,12 +211,14 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
 
 
-def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], namespace: str, name: str,
-             component: str) -> Workload | None:
+def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], pods: Sequence[Obj],
+             namespace: str, name: str, component: str) -> Workload | None:
     """A component's workload as status reads it (the router is always a Deployment)."""
     child = child_name(name, component)
     if component != c.ROUTER and workload_kind(spec, component) == c.LWS_KIND:
-        return observe_group_set(children.get((c.LWS_KIND, namespace, child)))
+        return observe_group_set(children.get((c.LWS_KIND, namespace, child)),
+                                 [p for p in pods if p["metadata"].get("labels", {}).get(
+                                     c.LABEL_PHASE) == component])
     return observe_workload(children.get(("Deployment", namespace, child)))
 
 

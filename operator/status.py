@@ -6,7 +6,7 @@ otherwise its message names each component that is not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,21 +77,28 @@ def observe_workload(deployment: Mapping[str, Any] | None) -> Workload | None:
     )
 
 
-def observe_group_set(lws: Mapping[str, Any] | None) -> Workload | None:
-    """One observed LeaderWorkerSet. Its counts are of groups (replicas): LWS counts a group
-    ready only when its leader and every worker are, so a lost pod makes its whole replica
-    unready. LWS publishes no observedGeneration: a spec change shows up once its controller
-    marks UpdateInProgress, one reconcile of it after the apply."""
+def observe_group_set(lws: Mapping[str, Any] | None,
+                      pods: Iterable[Mapping[str, Any]] = ()) -> Workload | None:
+    """One observed LeaderWorkerSet and its pods. Its counts are of groups (replicas): LWS
+    counts a group ready only when its leader and every worker are, so a lost pod makes its
+    whole replica unready. Its count can lag a pod it recreated (seen: a worker Pending on a
+    cordoned node while readyReplicas stayed 2 of 2), so a group with a pod that is not
+    Ready is not counted whatever LWS says. LWS publishes no observedGeneration: a spec change
+    shows up once its controller marks UpdateInProgress, one reconcile of it after the
+    apply."""
     if lws is None:
         return None
     spec, st = lws.get("spec", {}), lws.get("status", {})
+    desired = int(spec.get("replicas", 1))
+    unready_groups = {pod["metadata"].get("labels", {}).get(c.LWS_LABEL_GROUP_INDEX)
+                      for pod in pods if not _pod_ready(pod)} & {str(i) for i in range(desired)}
     true = {cond.get("type") for cond in st.get("conditions", [])
             if cond.get("status") == TRUE}
     seen = {cond.get("type") for cond in st.get("conditions", [])}
     return Workload(
-        desired=int(spec.get("replicas", 1)),
+        desired=desired,
         current=int(st.get("replicas", 0)),
-        ready=int(st.get("readyReplicas", 0)),
+        ready=max(0, min(int(st.get("readyReplicas", 0)), desired - len(unready_groups))),
         updated=int(st.get("updatedReplicas", 0)),
         synced="UpdateInProgress" not in true,
         failure="",
@@ -99,6 +106,11 @@ def observe_group_set(lws: Mapping[str, Any] | None) -> Workload | None:
         # now is a loss (its pod died, its node went), not a group still starting.
         settled="Available" in seen and "UpdateInProgress" not in true,
     )
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(cond.get("type") == "Ready" and cond.get("status") == TRUE
+               for cond in pod.get("status", {}).get("conditions", []) or [])
 
 
 def plan_conditions(plan: DeploymentPlan | None, error: PlanError | None,

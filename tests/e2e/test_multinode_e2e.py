@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 
 POOL = "wide"
 TAINT = {"key": "tessera.dev/wide", "value": "true", "effect": "NoSchedule"}
-GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+GROUP_INDEX = c.LWS_LABEL_GROUP_INDEX
 READY_TIMEOUT_S = 120.0
 
 

@@ -185,6 +185,31 @@ def test_ready_counts_whole_groups() -> None:
     assert got["Degraded"][0] == "True" and "prefill 1/2 ready" in got["Degraded"][2]
 
 
+def _group_pod(group: str, worker: str, ready: bool) -> dict:
+    return {"kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": f"kimi-k2-prefill-{group}-{worker}", "namespace": "llm",
+                         "labels": {c.LABEL_PHASE: "prefill", c.LWS_LABEL_GROUP_INDEX: group,
+                                    c.LWS_LABEL_WORKER_INDEX: worker}},
+            "status": {"phase": "Running" if ready else "Pending",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_a_group_with_a_pod_not_ready_is_not_counted_whatever_lws_says() -> None:
+    md, owned = converge(kimi())
+    # LWS recreated group 0's worker, which waits for a node, and still counts 2 of 2 ready.
+    for group, worker, ready in (("0", "0", True), ("0", "1", False), ("1", "0", True),
+                                 ("1", "1", True)):
+        pod = _group_pod(group, worker, ready)
+        owned[("Pod", "llm", pod["metadata"]["name"])] = pod
+    got = conditions(decide(md, owned, intend(md, render_configs), NOW))
+    assert got["Ready"][:2] == ("False", "ComponentsNotReady")
+    assert "prefill 1/2 ready" in got["Ready"][2]
+    assert got["Degraded"][0] == "True" and "prefill 1/2 ready" in got["Degraded"][2]
+    # Once the worker is Ready the group counts again.
+    owned[("Pod", "llm", "kimi-k2-prefill-0-1")] = _group_pod("0", "1", True)
+    assert decide(md, owned, intend(md, render_configs), NOW).status_patch is None  # Ready stands
+
+
 def test_a_group_set_before_its_first_availability_is_rolling_not_degraded() -> None:
     md = kimi()
     lws = stored(children(md)[(c.LWS_KIND, "kimi-k2-prefill")])
