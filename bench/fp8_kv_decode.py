@@ -50,6 +50,7 @@ from tessera.kernels.paged_decode_fp8 import (
 )
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -418,13 +419,15 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the three FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
-    # E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also what runs off Hopper), the
-    # Gluon one that widens each tile to fp16, and the Gluon one with both products in e4m3
-    # (q and p in two e4m3 parts, V^T an MMA operand in registers)
+    # the four FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
+    # E4M3_IN_PLACE_MIN_TOKENS, E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also
+    # what runs off Hopper), the Gluon one that widens each tile to fp16, and the Gluon ones
+    # with both products in e4m3 (q and p in two e4m3 parts; V^T an MMA operand in registers,
+    # or written over each tile's latent part by the producer)
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
+    "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import triton
 from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel
+from tessera.kernels.mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
 from tessera.kernels.mla_decode_heads import mla_heads_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
@@ -79,10 +80,11 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
-    fp8: bool = True, e4m3: bool = False,
+    fp8: bool = True, e4m3: bool = False, in_place: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
-    (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``), from 64 heads the
+    (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
+    ``mla_decode_e4m3_inplace.py``), from 64 heads the
     heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8). Its shared memory in bytes,
     registers and stack (``resources``), each partition's register limit (``setmaxnreg``), and
     whether its SASS has wgmma and how many spill instructions.
@@ -94,7 +96,8 @@ def gluon_report(
         fn, num_warps = mla_heads_kernel, 8
         constexprs["FP8"] = fp8
     else:
-        fn, num_warps = (mla_fp8_e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
+        e4m3_kernel = mla_fp8_e4m3_inplace_kernel if in_place else mla_fp8_e4m3_kernel
+        fn, num_warps = (e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .decode_split_range import split_range as _split_range
 from .mla_decode_e4m3 import mla_fp8_e4m3_kernel
+from .mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
 from .mla_decode_heads import mla_heads_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
@@ -66,6 +67,8 @@ class DecodeConfig:
     # (mla_decode_e4m3.py; q and p in two e4m3 parts, V^T an MMA operand in registers, nothing
     # widened); under the interpreter and off Hopper, MLA_FP8_TRITON runs instead
     e4m3: bool = False
+    # ... with V^T written over each tile by the producer instead (mla_decode_e4m3_inplace.py)
+    e4m3_in_place: bool = False
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
@@ -85,6 +88,9 @@ MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True
 # E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
                             balanced_waves=2)  # fmt: skip
+# ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
+# E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
+MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -94,12 +100,15 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
-# From this many tokens the e4m3 kernel is faster than the widening one: 1.06-1.08x at 262,144
-# tokens (64 requests of 4k, 32 of 8k), 1.18-1.25x at 524k-1M (256 of 2k at 8 heads, 64 of 16k,
-# 128 of 8k); at 131,072 tokens 0.92-0.96x with 16 heads (1.07x with 8)
-# (bench/results/fp8_kv_e4m3_rega_ab.json, fp8_kv_e4m3_rega_small.json: both timed on the
-# same data in one run).
-E4M3_MIN_TOKENS = 262144
+# From this many tokens the e4m3 kernel with V^T in registers is the fastest: 1.06-1.11x the
+# in-place one at 524k-1M tokens (256 of 2k at 8 heads, 64 of 16k, 128 of 8k), 0.96-0.97x at
+# 262,144 (64 of 4k, 32 of 8k) and 0.84-0.98x at 131,072; the in-place one from 131,072:
+# 1.09-1.11x the widening kernel there (16 heads: 32 x 4k, 64 x 2k, 16 x 8k, 8 x 16k; 8 heads:
+# 64 x 2k), 0.95-0.99x at 4k-32k tokens (bench/results/fp8_kv_e4m3_rega_ab.json,
+# fp8_kv_e4m3_rega_small.json, fp8_kv_e4m3_versions.json: each timed on the same data in one
+# run).
+E4M3_MIN_TOKENS = 524288
+E4M3_IN_PLACE_MIN_TOKENS = 131072
 
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
@@ -115,19 +124,22 @@ def pick_config(
     once (a partial second wave cost up to 1.3x). 16 heads a program: BF16 has the latent in
     quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs a warp-specialized
     Gluon kernel (one program per SM, 64-token tiles): from ``E4M3_MIN_TOKENS`` the one with both
-    products in e4m3 (``MLA_FP8_E4M3``), from ``WGMMA_MIN_TOKENS`` the one that widens each tile
-    to fp16 (``MLA_FP8_WGMMA``); ``MLA_FP8_TRITON`` below that and off Hopper. 64+ heads: 64 heads
-    a program, so each tile is read once instead of by four 16-head programs, in the Gluon
-    kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp program per SM), BF16
-    and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``, which runs off
-    Hopper) over the 64/128-head shapes of bench/results/fp8_kv_flashmla.json, a tie (0.98-0.99x)
-    only at one request of 1k."""
+    products in e4m3 (``MLA_FP8_E4M3``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same with V^T
+    written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from ``WGMMA_MIN_TOKENS`` the one that
+    widens each tile to fp16 (``MLA_FP8_WGMMA``); ``MLA_FP8_TRITON`` below that and off Hopper.
+    64+ heads: 64 heads a program, so each tile is read once instead of by four 16-head
+    programs, in the Gluon kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp
+    program per SM), BF16 and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``,
+    which runs off Hopper) over the 64/128-head shapes of bench/results/fp8_kv_flashmla.json, a
+    tie (0.98-0.99x) only at one request of 1k."""
     if mla:
         if group >= 64:
             return MLA_HEADS_M
         if fp8:
             if tokens is None or tokens >= E4M3_MIN_TOKENS:
                 return MLA_FP8_E4M3
+            if tokens >= E4M3_IN_PLACE_MIN_TOKENS:
+                return MLA_FP8_E4M3_IN_PLACE
             return MLA_FP8_WGMMA if tokens >= WGMMA_MIN_TOKENS else MLA_FP8_TRITON
         return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
@@ -930,7 +942,8 @@ def paged_decode(
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
         if cfg.e4m3:
-            mla_fp8_e4m3_kernel[(programs, splits)](
+            kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
+            kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )
         else:

@@ -10,6 +10,7 @@ into the exponent), so these live in their own module."""
 import pytest
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
     DecodeConfig,
@@ -52,10 +53,12 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
-def test_e4m3_kernel_matches_reference(page_size, balanced, heads):
-    """Both products in e4m3 (q and p in two parts, V^T an MMA operand in registers): the same
-    edge lengths, head counts and page tables as the widening kernel, the same tolerance."""
-    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_FP8_E4M3,
+@pytest.mark.parametrize("config", [MLA_FP8_E4M3, MLA_FP8_E4M3_IN_PLACE], ids=["regs", "in_place"])
+def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
+    """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, or
+    written over the tile by the producer): the same edge lengths, head counts and page tables
+    as the widening kernel, the same tolerance."""
+    run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
 

@@ -34,14 +34,19 @@ def test_gluon_mla_kernel_builds_for_hopper_without_spills(
 
 @pytest.mark.parametrize(("page_size", "entries_per_page", "balanced"),
                          [(64, 1, False), (64, 64, True), (16, 1, True)])  # fmt: skip
-def test_gluon_e4m3_kernel_builds_for_hopper_without_spills(page_size, entries_per_page, balanced):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gluon_e4m3_kernel_builds_for_hopper_without_spills(
+    page_size, entries_per_page, balanced, in_place
+):
     """The kernel with both products in e4m3: five tile slots, q, p and the scratch within an
     SM's shared memory (its partial output is stored from the MMA's layout for that). It uses
     all 255 registers (V^T is an MMA operand in registers): no spills with the GPU image's
     Triton 3.6; 3.9 allocates them differently (a few spill instructions), so there only the
-    build is checked."""
-    built = _report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True)")
-    if triton.__version__.startswith("3.6."):
+    build is checked. The in-place version (V^T written over the tile by the producer) has no
+    spills with either."""
+    built = _report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True, "
+                    f"{in_place})")
+    if in_place or triton.__version__.startswith("3.6."):
         assert built["spills"] == 0 and "STACK:0" in built["resources"], built
 
 

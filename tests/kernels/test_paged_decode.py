@@ -26,8 +26,10 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8_ref,
 )
 from tessera.kernels.paged_decode_split import (
+    E4M3_IN_PLACE_MIN_TOKENS,
     E4M3_MIN_TOKENS,
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -287,7 +289,11 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     # too few tiles for one program an SM: the Triton kernel
     assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
     assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_WGMMA
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1) == MLA_FP8_WGMMA
+    tokens_in_place = E4M3_IN_PLACE_MIN_TOKENS
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=tokens_in_place - 1) == MLA_FP8_WGMMA
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=tokens_in_place) == MLA_FP8_E4M3_IN_PLACE
+    in_place = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1)
+    assert in_place == MLA_FP8_E4M3_IN_PLACE
     assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3
     # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
     # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
