@@ -100,14 +100,14 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
-# From this many tokens the e4m3 kernel with V^T in registers is the fastest: 1.06-1.11x the
-# in-place one at 524k-1M tokens (256 of 2k at 8 heads, 64 of 16k, 128 of 8k), 0.96-0.97x at
-# 262,144 (64 of 4k, 32 of 8k) and 0.84-0.98x at 131,072; the in-place one from 131,072:
-# 1.09-1.11x the widening kernel there (16 heads: 32 x 4k, 64 x 2k, 16 x 8k, 8 x 16k; 8 heads:
-# 64 x 2k), 0.95-0.99x at 4k-32k tokens (bench/results/fp8_kv_e4m3_rega_ab.json,
-# fp8_kv_e4m3_rega_small.json, fp8_kv_e4m3_versions.json: each timed on the same data in one
-# run).
-E4M3_MIN_TOKENS = 524288
+# From this many tokens the e4m3 kernel with V^T in registers is the fastest: 1.09x the
+# in-place one at 393,216 tokens (96 of 4k), 1.05-1.10x at 524k-1M (64 of 8k, 256 of 2k at
+# 8 heads, 64 of 16k, 128 of 8k); the in-place one below that, from 131,072 tokens: 1.03-1.04x
+# the register one at 262,144 (64 of 4k, 32 of 8k), 1.16x at 131,072 (32 of 4k, 64 of 2k),
+# where it is 1.09-1.10x the widening kernel (bench/results/fp8_kv_e4m3_versions_overlap.json:
+# all three timed on the same data in one run). Below 131,072 the widening kernel stays: an
+# earlier in-place version ran 0.88-0.99x of it at 1k-32k tokens (fp8_kv_e4m3_versions.json).
+E4M3_MIN_TOKENS = 393216
 E4M3_IN_PLACE_MIN_TOKENS = 131072
 
 def pick_config(
