@@ -502,7 +502,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "e4m3", "triton64")
+            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:
@@ -517,7 +517,8 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
 
 def _peer_line(r):
     lens = r.get("lens", f"ctx{r['ctx']}")
-    best = {k[:-3]: v for k, v in r.items() if k.startswith("ours_fp8_") and k.endswith("_us")}
+    best = {k[:-3]: v for k, v in r.items()  # a side alone computes nothing: not a candidate
+            if k.startswith("ours_fp8_") and k.endswith("_us") and "_only" not in k}
     top = min(best, key=best.get)
     fm = (f" | FlashMLA bf16 {r['flashmla_bf16_us']:7.1f} fp8 {r['flashmla_fp8_us']:7.1f}"
           f" (err {r['err_flashmla_fp8']:.1e}) | ours/FM bf16 x{r['bf16_vs_flashmla_bf16']:.2f}"
