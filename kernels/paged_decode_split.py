@@ -69,6 +69,8 @@ class DecodeConfig:
     e4m3: bool = False
     # ... with V^T written over each tile by the producer instead (mla_decode_e4m3_inplace.py)
     e4m3_in_place: bool = False
+    # at most this many tokens a split (0: no limit), whatever the plan would give
+    max_split_tokens: int = 0
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
@@ -82,12 +84,19 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # Balanced splits in two waves of one program an SM where one wave's plan overflows
 # (plan_balanced_waves): over the 1k-8k mixes of 64 and 256 requests 1.04-1.20x one wave
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
+# The e4m3 kernels' output product adds every tile of a split into one accumulator inside the
+# tensor cores, whose FP8 MMAs add with fewer bits than fp32 (as DeepSeek-V3's report found on
+# Hopper), so their error grows with a split's tiles: against their own dequantized pages
+# 2.0-2.8e-3 up to 32 tiles, 2.9-4.4e-3 at 128, 6.7-7.5e-3 at 256, past the FP8 tolerance of
+# 5e-3 (bench/results/fp8_kv_flashmla.json, the widening kernel flat at 1.7e-3; a variant with
+# two accumulators, each taking every other tile, halved it). So no split gets more.
+E4M3_MAX_SPLIT_TOKENS = 8192
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
                              balanced_waves=2)  # fmt: skip
 # The same plan with both products in e4m3 (mla_decode_e4m3.py): the FP8 default from
 # E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
-                            balanced_waves=2)  # fmt: skip
+                            balanced_waves=2, max_split_tokens=E4M3_MAX_SPLIT_TOKENS)  # fmt: skip
 # ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
 # E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
 MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
@@ -182,6 +191,22 @@ def plan_balanced_splits(
     )
     split_len = min(split_len, max(triton.cdiv(max_seq_len, block_n), 4) * block_n)
     return max(1, triton.cdiv(max_seq_len, split_len)), split_len
+
+
+def cap_split_tokens(
+    splits: int, fixed_split_len: int, max_seq_len: int, cap: int, block_n: int
+) -> tuple[int, int]:
+    """(splits, fixed_split_len) with no split longer than ``cap`` tokens (0: no cap), as
+    far as ``MAX_SPLITS`` allows: more splits of the same requests (``fixed_split_len`` 0 is the
+    equal-parts plan, whose parts are whole tiles)."""
+    if not cap:
+        return splits, fixed_split_len
+    cap = max(cap // block_n, 1) * block_n
+    if fixed_split_len:
+        fixed_split_len = min(fixed_split_len, max(cap, triton.cdiv(
+            max_seq_len, MAX_SPLITS * block_n) * block_n))  # fmt: skip
+        return max(1, triton.cdiv(max_seq_len, fixed_split_len)), fixed_split_len
+    return min(max(splits, triton.cdiv(max_seq_len, cap)), MAX_SPLITS), 0
 
 
 # how far past a wave the one-wave balanced plan's estimate may go before two waves pay
@@ -902,6 +927,9 @@ def paged_decode(
             programs,
             cfg.balanced_waves,
         )
+    splits, fixed_split_len = cap_split_tokens(
+        splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n
+    )
 
     if out is None:
         out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)

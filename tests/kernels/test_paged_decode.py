@@ -27,6 +27,7 @@ from tessera.kernels.paged_decode_fp8 import (
 )
 from tessera.kernels.paged_decode_split import (
     E4M3_IN_PLACE_MIN_TOKENS,
+    E4M3_MAX_SPLIT_TOKENS,
     E4M3_MIN_TOKENS,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_IN_PLACE,
@@ -36,6 +37,7 @@ from tessera.kernels.paged_decode_split import (
     WGMMA_MIN_TOKENS,
     DecodeConfig,
     _merge_kernel,
+    cap_split_tokens,
     pick_config,
     plan_balanced_splits,
     plan_balanced_waves,
@@ -228,6 +230,28 @@ def test_a_max_seq_len_below_the_longest_request_drops_no_tokens():
     out = poisoned(2, 16, 512)
     paged_decode_mla_bf16(q, kv, table, 0.07, out=out, max_seq_len=130, total_tokens=340)
     assert_close(out, paged_decode_mla_bf16_ref(q, kv, table, 0.07), REL_L2["bf16"])
+
+
+def test_e4m3_splits_never_exceed_their_token_cap():
+    """The e4m3 kernels' error grows with a split's tiles, so both plans get more splits
+    rather than longer ones; other kernels are left alone."""
+    cap = E4M3_MAX_SPLIT_TOKENS
+    assert MLA_FP8_E4M3.max_split_tokens == cap == MLA_FP8_E4M3_IN_PLACE.max_split_tokens
+    assert MLA_FP8_WGMMA.max_split_tokens == 0
+    # equal parts: 128 requests of 16k got one split each
+    assert cap_split_tokens(1, 0, 16384, cap, 64) == (2, 0)
+    assert cap_split_tokens(4, 0, 16384, cap, 64) == (4, 0)  # already short enough
+    assert cap_split_tokens(1, 0, 16384, 0, 64) == (1, 0)  # no cap
+    # balanced: the fixed length shrinks and the splits follow it
+    assert cap_split_tokens(1, 16384, 16384, cap, 64) == (2, cap)
+    assert cap_split_tokens(3, 4096, 9000, cap, 64) == (3, 4096)
+    # past MAX_SPLITS splits of the cap, the longest request sets the length
+    splits, length = cap_split_tokens(1, 10**6, 10**6, cap, 64)
+    assert splits <= 64 and splits * length >= 10**6 and length % 64 == 0
+    for length_now in (1, 8191, 8192, 8193, 100_000):
+        splits, _ = cap_split_tokens(1, 0, length_now, cap, 64)
+        part = math.ceil(math.ceil(length_now / splits) / 64) * 64  # split_range's parts
+        assert part <= cap
 
 
 def test_balanced_plan_gives_every_split_the_same_tokens():
