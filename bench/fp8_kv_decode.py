@@ -428,8 +428,6 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
-    # the register one with a second consumer warpgroup taking every other tile
-    "e4m3_two_consumers": ("fp8", replace(MLA_FP8_E4M3, consumers=2)),
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
@@ -504,8 +502,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "e4m3_two_consumers",
-                    "triton64")
+            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

@@ -80,7 +80,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
-    fp8: bool = True, e4m3: bool = False, in_place: bool = False, consumers: int = 1,
+    fp8: bool = True, e4m3: bool = False, in_place: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
@@ -99,8 +99,6 @@ def gluon_report(
         e4m3_kernel = mla_fp8_e4m3_inplace_kernel if in_place else mla_fp8_e4m3_kernel
         fn, num_warps = (e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
-        if e4m3 and not in_place:
-            constexprs["CONSUMERS"] = consumers
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
              "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip

@@ -51,7 +51,6 @@ from .mla_decode_wgmma import (
 # Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 NUM_BUF = gl.constexpr(5)  # tile slots, 36 KB each
-CONSUMER_REGS = gl.constexpr(240)  # the second consumer's registers (the first gets as many)
 PRODUCER_THREADS = gl.constexpr(128)
 
 
@@ -162,16 +161,14 @@ def _halves_sum(x, layout: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit_s, qq_lat, qq_rope,
+    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
     k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
     hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, ONLY: gl.constexpr, FIRST: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Tiles ``FIRST, FIRST + CONSUMERS, ...`` of the split: each one's scores, this consumer's
-    previous tile's output product (which frees that slot) and this tile's online softmax;
-    then their partial output and log-sum-exp, as part ``FIRST`` of the split's
-    ``CONSUMERS`` (the merge adds them up like splits)."""
+    """Each tile's scores, the previous tile's output product (which frees that slot) and this
+    tile's online softmax; then the split's partial output and log-sum-exp."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
     )
@@ -184,32 +181,31 @@ def _consumer(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
-    q_unit = q_unit_s.load(head_l)
+    q_unit = gl.convert_layout(q_unit, head_l)
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
     l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([D, BLOCK_H], gl.float32, acc_l)  # o^T
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
     tiles = gl.cdiv(end - start, BLOCK_N)
-    step: gl.constexpr = CONSUMERS * BLOCK_N
     if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
-        for i in range(FIRST, tiles, CONSUMERS):
+        for i in range(tiles):
             buf = i % NUM_BUF
             mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
             mbarrier.arrive(empty.index(buf), count=1)
     else:
-        n0 = start + FIRST * BLOCK_N
+        n0 = start
         entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
         slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
         scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-        entry = _tile_entry(indices, row, n0 + step, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                            BLOCK_N)  # fmt: skip
+        entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
+                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
         p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
         p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
         zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
-        for i in range(FIRST, tiles, CONSUMERS):
+        for i in range(tiles):
             buf = i % NUM_BUF
-            prev = (i + NUM_BUF - CONSUMERS) % NUM_BUF
-            if i > FIRST:  # the previous tile's output product first: its slot goes back sooner
+            prev = (i + NUM_BUF - 1) % NUM_BUF
+            if i > 0:  # the previous tile's output product first: its slot goes back sooner
                 pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H)
             else:
                 pv = warpgroup_mma_init(acc)
@@ -222,12 +218,12 @@ def _consumer(
             # the output product done (MMA groups retire in order): its slot, p's buffer and
             # the A registers are free while the scores run
             acc = warpgroup_mma_wait(2, deps=(pv,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=i > FIRST)
+            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
             s = warpgroup_mma_wait(0, deps=(scores,))
-            slot, next_mask = _tile_slots(entry, n0 + step, end, tok_l, PAGE_SIZE,
+            slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
                                           ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-            entry = _tile_entry(indices, row, n0 + 2 * step, end, tok_l, PAGE_SIZE,
+            entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
@@ -250,14 +246,14 @@ def _consumer(
             fence_async_shared()
             m = m_new
             scale, mask = next_scale, next_mask
-            n0 += step
-        if tiles > FIRST:  # this consumer's last tile's output product
-            last = k_lat_all.index((tiles - 1 - (tiles - 1 - FIRST) % CONSUMERS) % NUM_BUF)
+            n0 += BLOCK_N
+        if tiles > 0:  # the last tile's output product
+            last = k_lat_all.index((tiles - 1) % NUM_BUF)
             acc = warpgroup_mma_wait(0, deps=(_output_product(last, p_s, acc, a_l, D,
                                                               BLOCK_H),))
     _store_partial(gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
-                   part_lse, b, split * CONSUMERS + FIRST, hb, num_heads, stride_pb, stride_ph,
-                   stride_ps, _row_dims(tok_l, D), BLOCK_H, mma, mma)  # fmt: skip
+                   part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps,
+                   _row_dims(tok_l, D), BLOCK_H, mma, mma)  # fmt: skip
     # (stored from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion would
     # need 16 KB of scratch, which shared memory does not have)
 
@@ -293,13 +289,10 @@ def mla_fp8_e4m3_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
-    CONSUMERS: gl.constexpr = 1,
 ):
-    """Stage 1: the producer warpgroup copies raw tiles, the consumer warpgroup (the kernel's 4
-    warps) runs both e4m3 products and the softmax; with ``CONSUMERS = 2`` a second consumer
-    warpgroup takes every other tile, and each stores its own part of the split (the launcher
-    gives the merge twice the splits). ``ONLY``, for measuring: ``PRODUCER_ONLY`` or
-    ``CONSUMER_ONLY`` runs that side's work alone."""
+    """Stage 1: the producer warpgroup copies raw tiles and writes their V^T, the consumer
+    warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax. ``ONLY``, for
+    measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -343,8 +336,8 @@ def mla_fp8_e4m3_kernel(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
     )  # fmt: skip
-    p_s = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 2 * BLOCK_H, BLOCK_N],
-                                    gl.NVMMASharedLayout(64, 8))  # one p a consumer # fmt: skip
+    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
+                                    gl.NVMMASharedLayout(64, 8))  # fmt: skip
     # a slot's round: loaded (its copies landed, every producer thread's), empty (the output
     # product done with it)
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -352,41 +345,19 @@ def mla_fp8_e4m3_kernel(
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
         mbarrier.init(empty.index(i), count=1)
-    # q's per-head unit, for the scores: through shared memory (a worker partition takes no
-    # register tensors)
-    q_unit_s = gl.allocate_shared_memory(
-        gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]),
-        gl.convert_layout(q_unit, gl.SliceLayout(1, q_l)),
-    )  # fmt: skip
     fence_async_shared()  # q's stores, before the products read it
 
-    if CONSUMERS == 1:
-        gl.warp_specialize(
-            [(_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                          q_unit_s, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s.index(0), loaded,
-                          empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                          stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
-                          BLOCK_N, ONLY, 0, 1)),
-             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
-                          loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
-                          ONLY))],
-            [4], [64],
-        )  # fmt: skip
-    else:
-        # the producer only issues copies: 24 registers leave the consumers 240 each
-        gl.warp_specialize(
-            [(_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                          q_unit_s, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s.index(0), loaded,
-                          empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                          stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
-                          BLOCK_N, ONLY, 0, 2)),
-             (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                          q_unit_s, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s.index(1), loaded,
-                          empty, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                          stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D, BLOCK_H,
-                          BLOCK_N, ONLY, 1, 2)),
-             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
-                          loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
-                          ONLY))],
-            [4, 4], [CONSUMER_REGS, 24],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
+                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty,
+                         part_out, part_lse, b, split, hb, num_heads,
+                         stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
+                         BLOCK_H, BLOCK_N, ONLY)),
+            (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
+                         loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
+                         ONLY)),
+        ],
+        [4],
+        [64],
+    )  # fmt: skip

@@ -71,9 +71,6 @@ class DecodeConfig:
     e4m3_in_place: bool = False
     # at most this many tokens a split (0: no limit), whatever the plan would give
     max_split_tokens: int = 0
-    # consumer warpgroups of the e4m3 kernel (V^T in registers), each taking every other tile
-    # of a split and storing its own part of it (so the merge sees consumers x splits parts)
-    consumers: int = 1
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
@@ -940,9 +937,8 @@ def paged_decode(
         raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
     if batch == 0:
         return out
-    parts = splits * cfg.consumers  # what the merge adds up
-    part_out = torch.empty(batch, num_heads, parts, dv, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_registers and not interpreted:
@@ -974,15 +970,10 @@ def paged_decode(
                 f"block_n={cfg.block_n}, block_h={cfg.block_h}"
             )
         if cfg.e4m3:
-            if cfg.e4m3_in_place:
-                mla_fp8_e4m3_inplace_kernel[(programs, splits)](
-                    ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
-                )
-            else:
-                mla_fp8_e4m3_kernel[(programs, splits)](
-                    ONLY=cfg.only, CONSUMERS=cfg.consumers, **mla,
-                    **shared_but("FP8", "INTERPRETED", "num_stages"),
-                )  # fmt: skip
+            kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
+            kernel[(programs, splits)](
+                ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+            )
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
@@ -1018,14 +1009,14 @@ def paged_decode(
         part_lse,
         out,
         num_heads,
-        parts,
+        splits,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
         out.stride(0),
         out.stride(1),
         DV=dv,
-        SPLITS_P2=triton.next_power_of_2(parts),
+        SPLITS_P2=triton.next_power_of_2(splits),
         num_warps=4 if dv >= 256 else 2,
     )
     return out
