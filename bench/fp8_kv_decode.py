@@ -428,6 +428,9 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
+    # the register one without its cap on a split's tokens (E4M3_MAX_SPLIT_TOKENS): faster on
+    # long splits, less accurate (bench/results/fp8_kv_e4m3_split_cap.json)
+    "e4m3_no_split_cap": ("fp8", replace(MLA_FP8_E4M3, max_split_tokens=0)),
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
