@@ -431,9 +431,8 @@ MLA_PEER_VARIANTS = {
     # the register one without its cap on a split's tokens (E4M3_MAX_SPLIT_TOKENS): faster on
     # long splits, less accurate (bench/results/fp8_kv_e4m3_split_cap.json)
     "e4m3_no_split_cap": ("fp8", replace(MLA_FP8_E4M3, max_split_tokens=0)),
-    # both e4m3 kernels with their balanced splits planned for one wave, not up to two
-    "e4m3_one_wave": ("fp8", replace(MLA_FP8_E4M3, balanced_waves=1)),
-    "e4m3_in_place_one_wave": ("fp8", replace(MLA_FP8_E4M3_IN_PLACE, balanced_waves=1)),
+    # (both e4m3 kernels with one-wave balanced plans were timed on the quick grid and lost on
+    # the mixes, 0.82-0.99x, tied on equal lengths: fp8_kv_flashmla_one_wave_quick.json)
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
