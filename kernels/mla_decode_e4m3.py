@@ -259,6 +259,42 @@ def _consumer(
 
 
 @gluon.jit
+def _q_in_two_parts(
+    Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+):  # fmt: skip
+    """The program's query heads in e4m3, each head over its own unit (its largest entry at
+    448), as two parts, the value and its residual: (the units, the latent parts
+    ``[2 BLOCK_H, D]`` and the rope parts ``[2 BLOCK_H, D_ROPE]`` in shared memory, the first
+    parts' rows first)."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
+                            qr_l)  # fmt: skip
+    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
+    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
+                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
+    q_unit = gl.maximum(q_top, 1e-30) / 448.0
+    q_lat = q_lat / q_unit[:, None]
+    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
+    qq_lat = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
+    )  # fmt: skip
+    qq_rope = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
+    )  # fmt: skip
+    hi = q_lat.to(gl.float8e4nv)
+    qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
+    hi = q_rope.to(gl.float8e4nv)
+    qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+    return q_unit, qq_lat, qq_rope
+
+
+@gluon.jit
 def mla_fp8_e4m3_kernel(
     Q,
     KV,
@@ -290,12 +326,10 @@ def mla_fp8_e4m3_kernel(
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
 ):
-    """Stage 1: the producer warpgroup copies raw tiles and writes their V^T, the consumer
-    warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax. ``ONLY``, for
+    """Stage 1: the producer warpgroup copies raw tiles, the consumer warpgroup (the kernel's 4
+    warps) reads their V^T and runs both e4m3 products and the softmax. ``ONLY``, for
     measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     pid = gl.program_id(0)
     split = gl.program_id(1)
     hb = pid % head_blocks
@@ -303,30 +337,8 @@ def mla_fp8_e4m3_kernel(
 
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
-
-    # q per head in e4m3 (its largest entry at 448) as two parts: the value and its residual
-    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
-                            qr_l)  # fmt: skip
-    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
-    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
-                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
-    q_unit = gl.maximum(q_top, 1e-30) / 448.0
-    q_lat = q_lat / q_unit[:, None]
-    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
-    qq_lat = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
-    )  # fmt: skip
-    qq_rope = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
-    )  # fmt: skip
-    hi = q_lat.to(gl.float8e4nv)
-    qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
-    qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
-    hi = q_rope.to(gl.float8e4nv)
-    qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
-    qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+    q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
+                                              D_ROPE, BLOCK_H)  # fmt: skip
 
     k_lat_all = gl.allocate_shared_memory(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D],

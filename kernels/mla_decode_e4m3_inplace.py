@@ -39,65 +39,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .mla_decode_e4m3 import (
+    NUM_BUF,
+    PRODUCER_THREADS,
+    _copy_tile,
+    _halves_sum,
+    _q_in_two_parts,
+)
 from .mla_decode_wgmma import (
-    _NEW_REINTERPRET,
     CONSUMER_ONLY,
     PRODUCER_ONLY,
     _as_words,
-    _load_q,
     _max_pair,
+    _reinterpret,
     _split_range,
     _store_partial,
     _tile_entry,
     _tile_slots,
 )
-
-# Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-NUM_BUF = gl.constexpr(5)  # tile slots, 36 KB each
-PRODUCER_THREADS = gl.constexpr(128)
-
-
-@gluon.jit
-def _reinterpret(buffers, dtype: gl.constexpr, shape: gl.constexpr, swizzle: gl.constexpr):
-    """``buffers``' bytes as ``dtype`` values in ``shape``, with a ``swizzle``-byte swizzle."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle, dtype.primitive_bitwidth)
-    if _NEW_REINTERPRET:
-        view = buffers.reinterpret(dtype, shape, layout)
-    else:
-        view = buffers._reinterpret(dtype, shape, layout)
-    return view
-
-
-@gluon.jit
-def _copy_columns(
-    KV, indices, row, n0, end, stride_kv_slot, dst, first: gl.constexpr, width: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    layout: gl.constexpr,
-):  # fmt: skip
-    """Starts copying columns ``first .. first + width`` of tokens ``n0 .. n0 + BLOCK_N``'s
-    raw rows into ``dst`` (zeros past ``end``)."""
-    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
-    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-    cols = first + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
-    _async_load(dst, KV + slot[:, None] * stride_kv_slot + cols[None, :], mask[:, None])
-
-
-@gluon.jit
-def _copy_tile(
-    KV, indices, row, n0, end, stride_kv_slot, k_lat, k_rope, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    D_ROPE: gl.constexpr,
-):  # fmt: skip
-    """Starts copying tokens ``n0 .. n0 + BLOCK_N``'s raw rows into ``k_lat`` / ``k_rope``
-    (zeros past ``end``), 16 bytes a thread."""
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    _copy_columns(KV, indices, row, n0, end, stride_kv_slot, k_lat, 0, D, PAGE_SIZE,
-                  ENTRIES_PER_PAGE, BLOCK_N, lat_l)  # fmt: skip
-    _copy_columns(KV, indices, row, n0, end, stride_kv_slot, k_rope, D, D_ROPE, PAGE_SIZE,
-                  ENTRIES_PER_PAGE, BLOCK_N, rope_l)  # fmt: skip
 
 
 @gluon.jit
@@ -179,15 +138,6 @@ def _producer(
                        k_lat_all.index(slot), k_rope_all.index(slot), PAGE_SIZE,
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
-
-
-@gluon.jit
-def _halves_sum(x, layout: gl.constexpr):
-    """``x[:, :N/2] + x[:, N/2:]`` in ``layout`` (the N/2-wide MMA layout: the same threads)."""
-    M: gl.constexpr = x.shape[0]
-    H: gl.constexpr = x.shape[1] // 2
-    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, H]), (0, 2, 1)))
-    return gl.convert_layout(a + b, layout)
 
 
 @gluon.jit
@@ -334,8 +284,6 @@ def mla_fp8_e4m3_inplace_kernel(
     warpgroup (the kernel's 4 warps) runs both e4m3 products and the softmax. ``ONLY``, for
     measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     pid = gl.program_id(0)
     split = gl.program_id(1)
     hb = pid % head_blocks
@@ -343,30 +291,8 @@ def mla_fp8_e4m3_inplace_kernel(
 
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
-
-    # q per head in e4m3 (its largest entry at 448) as two parts: the value and its residual
-    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
-                            qr_l)  # fmt: skip
-    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
-    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
-                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
-    q_unit = gl.maximum(q_top, 1e-30) / 448.0
-    q_lat = q_lat / q_unit[:, None]
-    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
-    qq_lat = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
-    )  # fmt: skip
-    qq_rope = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
-    )  # fmt: skip
-    hi = q_lat.to(gl.float8e4nv)
-    qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
-    qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
-    hi = q_rope.to(gl.float8e4nv)
-    qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
-    qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+    q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
+                                              D_ROPE, BLOCK_H)  # fmt: skip
 
     k_lat_all = gl.allocate_shared_memory(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D],

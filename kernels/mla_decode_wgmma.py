@@ -46,14 +46,21 @@ CONSUMER_ONLY = gl.constexpr(2)
 
 
 @gluon.jit
+def _reinterpret(buffers, dtype: gl.constexpr, shape: gl.constexpr, swizzle: gl.constexpr):
+    """``buffers``' bytes as ``dtype`` values in ``shape``, with a ``swizzle``-byte swizzle."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle, dtype.primitive_bitwidth)
+    if _NEW_REINTERPRET:
+        view = buffers.reinterpret(dtype, shape, layout)
+    else:
+        view = buffers._reinterpret(dtype, shape, layout)
+    return view
+
+
+@gluon.jit
 def _as_words(buffers, shape: gl.constexpr, swizzle: gl.constexpr):
     """fp16 or e4m3 buffers as 32-bit words of two or four values: the same bytes, the same
     ``swizzle``-byte swizzle."""
-    if _NEW_REINTERPRET:
-        words = buffers.reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
-    else:
-        words = buffers._reinterpret(gl.int32, shape, gl.NVMMASharedLayout(swizzle, 32))
-    return words
+    return _reinterpret(buffers, gl.int32, shape, swizzle)
 
 
 @gluon.jit
