@@ -84,15 +84,16 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # Balanced splits in two waves of one program an SM where one wave's plan overflows
 # (plan_balanced_waves): over the 1k-8k mixes of 64 and 256 requests 1.04-1.20x one wave
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
+MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
+                             balanced_waves=2)  # fmt: skip
 # The e4m3 kernels' output product adds every tile of a split into one accumulator inside the
 # tensor cores, whose FP8 MMAs add with fewer bits than fp32 (as DeepSeek-V3's report found on
 # Hopper), so their error grows with a split's tiles: against their own dequantized pages
-# 2.0-2.8e-3 up to 32 tiles, 2.9-4.4e-3 at 128, 6.7-7.5e-3 at 256, past the FP8 tolerance of
-# 5e-3 (bench/results/fp8_kv_flashmla.json, the widening kernel flat at 1.7e-3; a variant with
-# two accumulators, each taking every other tile, halved it). So no split gets more.
+# 2.0-2.8e-3 up to 32 tiles, 2.9-4.4e-3 at 128, 6.7-9.0e-3 at 256, past the FP8 tolerance of
+# 5e-3 (bench/results/fp8_kv_flashmla_e4m3_grid.json, fp8_kv_e4m3_split_cap.json; the widening
+# kernel flat at 1.7e-3; a variant with two accumulators, each taking every other tile, halved
+# it). So no split gets more: 0.95-0.98x the uncapped speed where it splits more.
 E4M3_MAX_SPLIT_TOKENS = 8192
-MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
-                             balanced_waves=2)  # fmt: skip
 # The same plan with both products in e4m3 (mla_decode_e4m3.py): the FP8 default from
 # E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
