@@ -51,6 +51,7 @@ from tessera.kernels.paged_decode_fp8 import (
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_IN_PLACE,
+    MLA_FP8_E4M3_STREAM,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -428,6 +429,10 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
+    # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
+    # run of the batch's tiles across requests
+    "e4m3_stream": ("fp8", MLA_FP8_E4M3_STREAM),
+    "e4m3_stream_two_waves": ("fp8", replace(MLA_FP8_E4M3_STREAM, balanced_waves=2)),
     # the register one without its cap on a split's tokens (E4M3_MAX_SPLIT_TOKENS): faster on
     # long splits, less accurate (bench/results/fp8_kv_e4m3_split_cap.json)
     "e4m3_no_split_cap": ("fp8", replace(MLA_FP8_E4M3, max_split_tokens=0)),
@@ -507,7 +512,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "triton64")
+            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "e4m3_stream", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

@@ -47,6 +47,7 @@ from .mla_decode_wgmma import (
     _tile_entry,
     _tile_slots,
 )
+from .mla_stream import store_output, stream_ends, stream_piece, stream_run
 
 # Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -131,16 +132,17 @@ def _row_dims(layout: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _producer(
-    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
+def _produce(
+    KV, indices, row, start, end, it, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Copies each raw tile into the next free slot."""
+    """Copies each raw tile of tokens ``[start, end)`` into the next free slot, the first into
+    the ring's ``it``-th; returns the ring position after them."""
     tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(tiles):
-        buf = i % NUM_BUF
-        mbarrier.wait(empty.index(buf), (i // NUM_BUF & 1) ^ 1)  # its last tile done
+        buf = (it + i) % NUM_BUF
+        mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)  # its last tile done
         if ONLY == CONSUMER_ONLY:  # hands the slot over as it is
             mbarrier.arrive(loaded.index(buf), count=PRODUCER_THREADS)
         else:
@@ -148,6 +150,17 @@ def _producer(
                        k_lat_all.index(buf), k_rope_all.index(buf), PAGE_SIZE,
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
+    return it + tiles
+
+
+@gluon.jit
+def _producer(
+    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+):  # fmt: skip
+    _produce(KV, indices, row, start, end, 0, stride_kv_slot, k_lat_all, k_rope_all, loaded,
+             empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)  # fmt: skip
 
 
 @gluon.jit
@@ -160,15 +173,16 @@ def _halves_sum(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(
-    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-    k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
-    hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
+def _consume(
+    KV_SCALE, indices, row, start, end, it, stride_s_slot, sm_scale_log2e, q_unit, qq_lat,
+    qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Each tile's scores, the previous tile's output product (which frees that slot) and this
-    tile's online softmax; then the split's partial output and log-sum-exp."""
+    """Tokens ``[start, end)``, their first tile in the ring's ``it``-th slot: each tile's
+    scores, the previous tile's output product (which frees that slot) and this tile's online
+    softmax. Returns o^T over its per-head unit (in the MMA layout, row r holding dim
+    ``_row_dims(r)``), the unit, the running max and the softmax's sum."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
     )
@@ -189,8 +203,8 @@ def _consumer(
     tiles = gl.cdiv(end - start, BLOCK_N)
     if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
         for i in range(tiles):
-            buf = i % NUM_BUF
-            mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+            buf = (it + i) % NUM_BUF
+            mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
             mbarrier.arrive(empty.index(buf), count=1)
     else:
         n0 = start
@@ -203,13 +217,13 @@ def _consumer(
         p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
         zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
         for i in range(tiles):
-            buf = i % NUM_BUF
-            prev = (i + NUM_BUF - 1) % NUM_BUF
+            buf = (it + i) % NUM_BUF
+            prev = (it + i + NUM_BUF - 1) % NUM_BUF
             if i > 0:  # the previous tile's output product first: its slot goes back sooner
                 pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H)
             else:
                 pv = warpgroup_mma_init(acc)
-            mbarrier.wait(loaded.index(buf), i // NUM_BUF & 1)
+            mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
             fence_async_shared()  # the copies' writes, before the products read them
             scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
                                    use_acc=False, is_async=True)  # fmt: skip
@@ -247,26 +261,61 @@ def _consumer(
             m = m_new
             scale, mask = next_scale, next_mask
             n0 += BLOCK_N
-        if tiles > 0:  # the last tile's output product
-            last = k_lat_all.index((tiles - 1) % NUM_BUF)
-            acc = warpgroup_mma_wait(0, deps=(_output_product(last, p_s, acc, a_l, D,
-                                                              BLOCK_H),))
-    _store_partial(gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
-                   part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps,
-                   _row_dims(tok_l, D), BLOCK_H, mma, mma)  # fmt: skip
-    # (stored from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion would
-    # need 16 KB of scratch, which shared memory does not have)
+        if tiles > 0:  # the last tile's output product, then its slot goes back (the
+            # stream schedule's next piece reuses it)
+            last = (it + tiles - 1) % NUM_BUF
+            acc = warpgroup_mma_wait(0, deps=(_output_product(k_lat_all.index(last), p_s, acc,
+                                                              a_l, D, BLOCK_H),))  # fmt: skip
+            mbarrier.arrive(empty.index(last), count=1)
+    return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0)
+    # (o^T goes out from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion
+    # would need 16 KB of scratch, which shared memory does not have)
 
 
 @gluon.jit
-def _q_in_two_parts(
-    Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
-    BLOCK_H: gl.constexpr,
+def _consumer(
+    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+    k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
+    hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """The program's query heads in e4m3, each head over its own unit (its largest entry at
-    448), as two parts, the value and its residual: (the units, the latent parts
-    ``[2 BLOCK_H, D]`` and the rope parts ``[2 BLOCK_H, D_ROPE]`` in shared memory, the first
-    parts' rows first)."""
+    """One split: its tiles, then its partial output and log-sum-exp."""
+    acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, 0, stride_s_slot,
+                                   sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
+                                   k_rope_all, p_s, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                   D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
+                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D), BLOCK_H, mma,
+                   mma)  # fmt: skip
+
+
+@gluon.jit
+def _q_buffers(BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
+    """Shared memory for the query heads' two e4m3 parts: latent ``[2 BLOCK_H, D]`` and rope
+    ``[2 BLOCK_H, D_ROPE]``, the first parts' rows first."""
+    qq_lat = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
+    )  # fmt: skip
+    qq_rope = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
+    )  # fmt: skip
+    return qq_lat, qq_rope
+
+
+@gluon.jit
+def _store_q(
+    Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D: gl.constexpr,
+    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+):  # fmt: skip
+    """Writes request ``b``'s query heads (4 warps) into ``_q_buffers`` in e4m3, each head over
+    its own unit (its largest entry at 448), as two parts, the value and its residual; returns
+    the units."""
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
@@ -277,21 +326,47 @@ def _q_in_two_parts(
     q_unit = gl.maximum(q_top, 1e-30) / 448.0
     q_lat = q_lat / q_unit[:, None]
     q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
-    qq_lat = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D], gl.float8e4nv),
-    )  # fmt: skip
-    qq_rope = gl.allocate_shared_memory(
-        gl.float8e4nv, [2 * BLOCK_H, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_ROPE], gl.float8e4nv),
-    )  # fmt: skip
     hi = q_lat.to(gl.float8e4nv)
     qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
     qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
     hi = q_rope.to(gl.float8e4nv)
     qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
     qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+    return q_unit
+
+
+@gluon.jit
+def _q_in_two_parts(
+    Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+):  # fmt: skip
+    """``_store_q`` into new ``_q_buffers``: (the units, the latent parts, the rope parts)."""
+    qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
+    q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
+                      BLOCK_H)  # fmt: skip
     return q_unit, qq_lat, qq_rope
+
+
+@gluon.jit
+def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
+    """The tile slots (latent and rope parts), p's buffer and the slots' barriers: loaded (its
+    copies landed, every producer thread's), empty (the output product done with it)."""
+    k_lat_all = gl.allocate_shared_memory(
+        gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
+    )  # fmt: skip
+    k_rope_all = gl.allocate_shared_memory(
+        gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
+    )  # fmt: skip
+    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
+                                    gl.NVMMASharedLayout(64, 8))  # fmt: skip
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
+        mbarrier.init(empty.index(i), count=1)
+    return k_lat_all, k_rope_all, p_s, loaded, empty
 
 
 @gluon.jit
@@ -340,23 +415,7 @@ def mla_fp8_e4m3_kernel(
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
                                               D_ROPE, BLOCK_H)  # fmt: skip
 
-    k_lat_all = gl.allocate_shared_memory(
-        gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
-    )  # fmt: skip
-    k_rope_all = gl.allocate_shared_memory(
-        gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
-    )  # fmt: skip
-    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
-                                    gl.NVMMASharedLayout(64, 8))  # fmt: skip
-    # a slot's round: loaded (its copies landed, every producer thread's), empty (the output
-    # product done with it)
-    loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
-        mbarrier.init(empty.index(i), count=1)
+    k_lat_all, k_rope_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
@@ -369,6 +428,131 @@ def mla_fp8_e4m3_kernel(
             (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
                          loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
                          ONLY)),
+        ],
+        [4],
+        [64],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _stream_producer(
+    KV, seq_lens, indptr, indices, ends_s, lo, hi, stride_kv_slot, k_lat_all, k_rope_all,
+    loaded, empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr, BLOCK_N: gl.constexpr, BATCH_P2: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+):  # fmt: skip
+    """Copies the tiles of the run ``[lo, hi)``, piece after piece, with no gap between them."""
+    t = lo
+    it = 0
+    while t < hi:
+        b, row, start, end, first, last = stream_piece(
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
+        )
+        it = _produce(KV, indices, row, start, end, it, stride_kv_slot, k_lat_all,
+                      k_rope_all, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                      D_ROPE, ONLY)  # fmt: skip
+        t = gl.minimum(last, hi)
+
+
+@gluon.jit
+def _stream_consumer(
+    Q, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi, stride_s_slot, sm_scale_log2e,
+    qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty, out, part_out, part_lse,
+    program, hb, num_heads, stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph,
+    stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr, BATCH_P2: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
+):  # fmt: skip
+    """The run ``[lo, hi)`` piece after piece: each piece's query, its tiles, then its request's
+    output where the piece is the whole request, else a partial output in the program's slot
+    (``mla_stream``)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    dims = _row_dims(gl.SliceLayout(1, mma), D)
+    t = lo
+    it = 0
+    while t < hi:
+        b, row, start, end, first, last = stream_piece(
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
+        )
+        # (the last piece's products, which read q, are done)
+        q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
+                          BLOCK_H)  # fmt: skip
+        fence_async_shared()
+        acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, it, stride_s_slot,
+                                       sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
+                                       k_rope_all, p_s, loaded, empty, PAGE_SIZE,
+                                       ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+        it += gl.cdiv(end - start, BLOCK_N)
+        if (first >= lo) & (last <= hi):
+            store_output(acc, acc_unit, l, out, b, hb, num_heads, stride_ob, stride_oh, dims,
+                         BLOCK_H, mma)  # fmt: skip
+        else:
+            _store_partial(acc, acc_unit, m, l, part_out, part_lse, program,
+                           (first >= lo).to(gl.int32), hb, num_heads, stride_pb, stride_ph,
+                           stride_ps, dims, BLOCK_H, mma, mma)  # fmt: skip
+        t = gl.minimum(last, hi)
+
+
+@gluon.jit
+def mla_fp8_e4m3_stream_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    out,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    batch,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BATCH_P2: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    ONLY: gl.constexpr = 0,
+):
+    """``mla_fp8_e4m3_kernel`` on the stream schedule (``mla_stream``): program ``(p, hb)``
+    runs head block ``hb`` over run ``p`` of the batch's tiles; partial outputs go to
+    ``part_out[p, heads, slot]`` (``[programs, num_heads, 2, D]``) and ``part_lse``."""
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
+    program = gl.program_id(0)
+    hb = gl.program_id(1)
+    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2)
+    lo, hi = stream_run(total, gl.num_programs(0), program)
+    qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
+    k_lat_all, k_rope_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_stream_consumer, (Q, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi,
+                                stride_s_slot, sm_scale_log2e, qq_lat, qq_rope, k_lat_all,
+                                k_rope_all, p_s, loaded, empty, out, part_out, part_lse,
+                                program, hb, num_heads, stride_qb, stride_qh, stride_ob,
+                                stride_oh, stride_pb, stride_ph, stride_ps, PAGE_SIZE,
+                                ENTRIES_PER_PAGE, LENS_ARE_ENDS, BATCH_P2, D, D_ROPE, BLOCK_H,
+                                BLOCK_N, ONLY)),
+            (_stream_producer, (KV, seq_lens, indptr, indices, ends_s, lo, hi, stride_kv_slot,
+                                k_lat_all, k_rope_all, loaded, empty, PAGE_SIZE,
+                                ENTRIES_PER_PAGE, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, D, D_ROPE,
+                                ONLY)),
         ],
         [4],
         [64],

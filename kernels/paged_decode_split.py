@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .decode_split_range import split_range as _split_range
-from .mla_decode_e4m3 import mla_fp8_e4m3_kernel
+from .mla_decode_e4m3 import mla_fp8_e4m3_kernel, mla_fp8_e4m3_stream_kernel
 from .mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
 from .mla_decode_heads import mla_heads_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
@@ -71,6 +71,9 @@ class DecodeConfig:
     e4m3_in_place: bool = False
     # at most this many tokens a split (0: no limit), whatever the plan would give
     max_split_tokens: int = 0
+    # the e4m3 kernel on the stream schedule (mla_stream.py): one program an SM, each taking an
+    # equal run of the batch's tiles across requests, instead of a split plan
+    stream: bool = False
     # MLA, 64 heads a program, BF16 or FP8 pages: the Gluon kernel with the heads as the MMA's
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
@@ -119,6 +122,21 @@ WGMMA_MIN_TOKENS = 4096
 # earlier in-place version ran 0.88-0.99x of it at 1k-32k tokens (fp8_kv_e4m3_versions.json).
 E4M3_MIN_TOKENS = 393216
 E4M3_IN_PLACE_MIN_TOKENS = 131072
+# the most requests the stream schedule takes (their tile ends in 16 KB of shared memory,
+# beside the e4m3 kernel's 200 KB); larger batches take the split plan
+STREAM_MAX_BATCH = 4096
+# The e4m3 kernel on the stream schedule, one wave: the FP8 default at 16 heads where the
+# batch's lengths are uneven (``uneven``). On the 1k-8k mixes of 64 and 256 requests 1.10-1.22x
+# the fastest split kernel, on equal lengths 0.88-0.95x; with two waves 0.74-0.91x of one
+# (bench/results/fp8_kv_flashmla_stream_quick.json).
+MLA_FP8_E4M3_STREAM = replace(MLA_FP8_E4M3, stream=True, balanced_waves=1)
+# lengths are uneven where their total is at most this share of batch x the longest
+UNEVEN_SHARE = 0.75
+
+
+def uneven(total_tokens: int | None, batch: int, max_seq_len: int) -> bool:
+    """Whether a batch's lengths are known to be uneven: the stream schedule's case."""
+    return total_tokens is not None and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
 
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
@@ -865,6 +883,47 @@ def _merge_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_dv, result.to(out.dtype.element_ty))
 
 
+@triton.jit
+def _stream_merge_kernel(
+    part_out, part_lse, out, seq_lens, indptr, batch, programs, stride_pp, stride_ph,
+    stride_ps, stride_ob, stride_oh, LENS_ARE_ENDS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BATCH_P2: tl.constexpr, DV: tl.constexpr,
+):  # fmt: skip
+    """Stage 2 of the stream schedule (mla_stream.py): request ``b``'s output for head ``h``
+    from the partial outputs of the programs its tiles were cut across (slot 1 in the first,
+    slot 0 in the others); nothing for a request one program finished, zeros for an empty one."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    idx = tl.arange(0, BATCH_P2)
+    valid = idx < batch
+    lens = tl.load(seq_lens + idx, mask=valid, other=0).to(tl.int32)
+    if LENS_ARE_ENDS:
+        lens -= tl.load(indptr + idx, mask=valid, other=0).to(tl.int32)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    per_program = tl.maximum(tl.cdiv(tl.sum(tiles, axis=0), programs), 1)
+    first = tl.sum(tl.where(idx < b, tiles, 0), axis=0)
+    count = tl.sum(tl.where(idx == b, tiles, 0), axis=0)
+    p0 = first // per_program
+    p1 = (first + count - 1) // per_program
+    offs = tl.arange(0, DV)
+    dst = out + b * stride_ob + h * stride_oh + offs
+    if count == 0:
+        tl.store(dst, tl.zeros([DV], tl.float32).to(out.dtype.element_ty))
+    elif p1 > p0:
+        lse_at = part_lse + (h * stride_ph) // DV
+        m = tl.load(lse_at + p0 * (stride_pp // DV) + 1)
+        for p in range(p0 + 1, p1 + 1):
+            m = tl.maximum(m, tl.load(lse_at + p * (stride_pp // DV)))
+        w = tl.exp2(tl.load(lse_at + p0 * (stride_pp // DV) + 1) - m)
+        total = w
+        acc = w * tl.load(part_out + p0 * stride_pp + h * stride_ph + stride_ps + offs)
+        for p in range(p0 + 1, p1 + 1):
+            w = tl.exp2(tl.load(lse_at + p * (stride_pp // DV)) - m)
+            total += w
+            acc += w * tl.load(part_out + p * stride_pp + h * stride_ph + offs)
+        tl.store(dst, (acc / total).to(out.dtype.element_ty))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_rows: torch.Tensor,
@@ -906,6 +965,8 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
+    if config is None and (cfg.wgmma or cfg.e4m3) and uneven(total_tokens, batch, max_seq_len):
+        cfg = MLA_FP8_E4M3_STREAM
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
         cfg = MLA_FP8_TRITON
@@ -914,6 +975,8 @@ def paged_decode(
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
+    if cfg.stream and batch > STREAM_MAX_BATCH:
+        cfg = replace(cfg, stream=False)
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
         splits = plan_splits(
@@ -937,6 +1000,13 @@ def paged_decode(
     elif tuple(out.shape) != (batch, num_heads, dv) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
     if batch == 0:
+        return out
+    if v_from_k and cfg.stream:
+        tokens_bound = total_tokens if total_tokens is not None else tokens
+        if scales is None:
+            raise ValueError("the stream MLA kernel takes FP8 pages")
+        _stream_decode(q, k_rows, scales[0], table, sm_scale, rope_dim, out, cfg, tokens_bound,
+                       sms)  # fmt: skip
         return out
     part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -1021,3 +1091,63 @@ def paged_decode(
         num_warps=4 if dv >= 256 else 2,
     )
     return out
+
+
+def stream_programs(tokens_bound: int, batch: int, block_n: int, max_split_tokens: int,
+                    head_blocks: int, sms: int, waves: int = 1) -> int:  # fmt: skip
+    """Programs a head block for the stream schedule: ``waves`` waves of one program an SM, or
+    as many more whole waves as keep every run within ``max_split_tokens`` (its tiles at most
+    ``tokens_bound / block_n`` plus one partial tile a request)."""
+    if max_split_tokens:
+        tiles = triton.cdiv(tokens_bound, block_n) + batch
+        per_run = max(max_split_tokens // block_n, 1)
+        waves = max(waves, triton.cdiv(triton.cdiv(tiles, per_run) * head_blocks, sms))
+    return max(1, waves * sms // head_blocks)
+
+
+def _stream_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor,
+    table: PageTable,
+    sm_scale: float,
+    rope_dim: int,
+    out: torch.Tensor,
+    cfg: DecodeConfig,
+    tokens_bound: int,
+    sms: int,
+) -> None:
+    """The e4m3 MLA kernel on the stream schedule (mla_stream.py) and its merge."""
+    batch, num_heads, qk_dim = q.shape
+    dim, dv = qk_dim - rope_dim, out.shape[2]
+    if (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
+        raise ValueError(
+            "the stream MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
+            f"tiles of 16 heads, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
+            f"block_h={cfg.block_h}"
+        )
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    programs = stream_programs(tokens_bound, batch, cfg.block_n, cfg.max_split_tokens,
+                               head_blocks, sms, cfg.balanced_waves)  # fmt: skip
+    part_out = torch.empty(programs, num_heads, 2, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(programs, num_heads, 2, dtype=torch.float32, device=q.device)
+    batch_p2 = max(128, triton.next_power_of_2(batch))
+    lens = {"seq_lens": table.seq_lens, "indptr": table.indptr, "batch": batch,
+            "LENS_ARE_ENDS": table.seq_lens_are_ends, "BATCH_P2": batch_p2,
+            "BLOCK_N": cfg.block_n}  # fmt: skip
+    parts = {"part_out": part_out, "part_lse": part_lse}
+    mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
+        Q=q, KV=kv, KV_SCALE=kv_scale, indices=table.indices, out=out,
+        sm_scale_log2e=sm_scale * LOG2E, num_heads=num_heads,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kv_slot=kv.stride(0),
+        stride_s_slot=kv_scale.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
+        stride_pb=part_out.stride(0), stride_ph=part_out.stride(1),
+        stride_ps=part_out.stride(2), PAGE_SIZE=table.page_size,
+        ENTRIES_PER_PAGE=table.entries_per_page, D=dim, D_ROPE=rope_dim,
+        BLOCK_H=cfg.block_h, ONLY=cfg.only, num_warps=cfg.num_warps, **lens, **parts,
+    )  # fmt: skip
+    _stream_merge_kernel[(batch, num_heads)](
+        out=out, programs=programs, stride_pp=part_out.stride(0), stride_ph=part_out.stride(1),
+        stride_ps=part_out.stride(2), stride_ob=out.stride(0), stride_oh=out.stride(1), DV=dv,
+        num_warps=4, **lens, **parts,
+    )  # fmt: skip

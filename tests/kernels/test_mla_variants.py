@@ -13,6 +13,7 @@ from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_IN_PLACE,
+    MLA_FP8_E4M3_STREAM,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
     DecodeConfig,
@@ -56,13 +57,29 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [8, 16, 20])
-@pytest.mark.parametrize("config", [MLA_FP8_E4M3, MLA_FP8_E4M3_IN_PLACE], ids=["regs", "in_place"])
+@pytest.mark.parametrize(
+    "config",
+    [MLA_FP8_E4M3, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_STREAM],
+    ids=["regs", "in_place", "stream"],
+)
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
     """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, or
-    written over the tile by the producer): the same edge lengths, head counts and page tables
-    as the widening kernel, the same tolerance."""
+    written over the tile by the producer; the first on the stream schedule too): the same edge
+    lengths, head counts and page tables as the widening kernel, the same tolerance."""
     run_mla("fp8", [1, 63, 64, 65, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sglang_form", [False, True])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_stream_schedule_cuts_requests_anywhere(sglang_form, balanced):
+    """The stream schedule: empty requests (zeros) among others; 300 short requests, more than
+    programs, so each program finishes several; a long one cut across dozens of programs, with
+    cuts inside and at the ends of its tiles."""
+    lens = [0, 1, 63, 0, 64, 65, 700, 3001] + [1 + 37 * i % 200 for i in range(300)] + [0]
+    run_mla("fp8", lens, 64, 16, config=MLA_FP8_E4M3_STREAM, balanced=balanced,
+            sglang_form=sglang_form)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -86,7 +103,8 @@ def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("balanced", [False, True])
-def test_e4m3_kernel_stays_accurate_over_long_splits(balanced):
+@pytest.mark.parametrize("config", [MLA_FP8_E4M3, MLA_FP8_E4M3_STREAM], ids=["splits", "stream"])
+def test_e4m3_kernel_stays_accurate_over_long_splits(balanced, config):
     """The e4m3 kernels sum a split's tiles inside the tensor cores, with fewer bits than fp32,
     so their error grows with a split's length: uncapped, 132 requests of 16k (one split of 256
     tiles each) measured 6.7-9.0e-3 against their own dequantized pages. The requests share
@@ -98,7 +116,7 @@ def test_e4m3_kernel_stays_accurate_over_long_splits(balanced):
     kv8, scales = quantized(torch.randn(length // page, page, 1, 576, device="cuda").bfloat16())
     known = {"max_seq_len": length, "total_tokens": batch * length} if balanced else {}
     sm_scale = 192**-0.5
-    out = paged_decode_mla_fp8(q, kv8, scales, table, sm_scale, config=MLA_FP8_E4M3, **known)
+    out = paged_decode_mla_fp8(q, kv8, scales, table, sm_scale, config=config, **known)
     one = PageTable.from_page_lists([pages] * 4, [length] * 4, page, "cuda")
     ref = paged_decode_mla_fp8_ref(q[:4], kv8, scales, one, sm_scale)
     assert_close(out[:4], ref, REL_L2["fp8"])
