@@ -433,6 +433,8 @@ MLA_PEER_VARIANTS = {
     # run of the batch's tiles across requests
     "e4m3_stream": ("fp8", MLA_FP8_E4M3_STREAM),
     "e4m3_stream_two_waves": ("fp8", replace(MLA_FP8_E4M3_STREAM, balanced_waves=2)),
+    "e4m3_stream_producer_only": ("fp8", replace(MLA_FP8_E4M3_STREAM, only=1)),
+    "e4m3_stream_consumer_only": ("fp8", replace(MLA_FP8_E4M3_STREAM, only=2)),
     # the register one without its cap on a split's tokens (E4M3_MAX_SPLIT_TOKENS): faster on
     # long splits, less accurate (bench/results/fp8_kv_e4m3_split_cap.json)
     "e4m3_no_split_cap": ("fp8", replace(MLA_FP8_E4M3, max_split_tokens=0)),

@@ -125,18 +125,28 @@ E4M3_IN_PLACE_MIN_TOKENS = 131072
 # the most requests the stream schedule takes (their tile ends in 16 KB of shared memory,
 # beside the e4m3 kernel's 200 KB); larger batches take the split plan
 STREAM_MAX_BATCH = 4096
-# The e4m3 kernel on the stream schedule, one wave: the FP8 default at 16 heads where the
-# batch's lengths are uneven (``uneven``). On the 1k-8k mixes of 64 and 256 requests 1.10-1.22x
-# the fastest split kernel, on equal lengths 0.88-0.95x; with two waves 0.74-0.91x of one
-# (bench/results/fp8_kv_flashmla_stream_quick.json).
+# The e4m3 kernel on the stream schedule, one wave: the FP8 default at up to 16 heads where the
+# batch's lengths are known to be uneven (``prefers_stream``). Against the fastest split kernel
+# on the 1k-8k mixes (bench/results/fp8_kv_flashmla_stream_grid.json, every kernel timed on
+# every shape): 1.10-1.21x at 64 and 256 requests, 1.00-1.11x at 32, 0.88x (16 heads) and
+# 1.03x (8) at 16; on equal lengths 0.84-0.97x. Two waves: 0.74-0.91x of one
+# (fp8_kv_flashmla_stream_quick.json).
 MLA_FP8_E4M3_STREAM = replace(MLA_FP8_E4M3, stream=True, balanced_waves=1)
-# lengths are uneven where their total is at most this share of batch x the longest
+# lengths are uneven where their total is at most this share of batch x the longest (the mixes:
+# 0.47)
 UNEVEN_SHARE = 0.75
+# from this many tokens (between the 16-request mix's 61,440 and the 32-request one's 122,880)
+STREAM_MIN_TOKENS = 98304
 
 
-def uneven(total_tokens: int | None, batch: int, max_seq_len: int) -> bool:
-    """Whether a batch's lengths are known to be uneven: the stream schedule's case."""
-    return total_tokens is not None and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
+def prefers_stream(total_tokens: int | None, batch: int, max_seq_len: int) -> bool:
+    """Whether the stream schedule is the faster one: the batch's total is known, large enough,
+    and well below batch x the longest length (uneven lengths)."""
+    return (
+        total_tokens is not None
+        and total_tokens >= STREAM_MIN_TOKENS
+        and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
+    )
 
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
@@ -965,7 +975,7 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
-    if config is None and (cfg.wgmma or cfg.e4m3) and uneven(total_tokens, batch, max_seq_len):
+    if config is None and (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
         cfg = MLA_FP8_E4M3_STREAM
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
