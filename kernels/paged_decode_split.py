@@ -975,7 +975,8 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
-    if config is None and (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
+    stream = prefers_stream(total_tokens, batch, max_seq_len)
+    if config is None and (cfg.wgmma or cfg.e4m3) and stream:
         cfg = MLA_FP8_E4M3_STREAM
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
