@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import triton
-from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel
+from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel, mla_fp8_e4m3_stream_kernel
 from tessera.kernels.mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
 from tessera.kernels.mla_decode_heads import mla_heads_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
@@ -50,6 +50,11 @@ SCALARS = ("sm_scale_log2e", "num_splits", "fixed_split_len", "head_blocks", "nu
            "stride_ps")  # fmt: skip
 SETMAXNREG = r"USETMAXREG\.\S+ (?:UP\d+, )?(0x[0-9a-f]+)"  # a partition's register limit
 STRIDES = {"stride_qb", "stride_qh", "stride_kv_slot", "stride_pb", "stride_ph"}
+STREAM_POINTERS = (*POINTERS[:6], "out", *POINTERS[6:])
+STREAM_SCALARS = ("sm_scale_log2e", "batch", "num_heads", "stride_qb", "stride_qh",
+                  "stride_kv_slot", "stride_s_slot", "stride_ob", "stride_oh", "stride_pb",
+                  "stride_ph", "stride_ps")  # fmt: skip
+STREAM_STRIDES = STRIDES | {"stride_ob", "stride_oh"}
 
 
 def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
@@ -80,14 +85,17 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
-    fp8: bool = True, e4m3: bool = False, in_place: bool = False,
+    fp8: bool = True, e4m3: bool = False, in_place: bool = False, stream_batch: int = 0,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
     ``mla_decode_e4m3_inplace.py``), from 64 heads the
-    heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8). Its shared memory in bytes,
-    registers and stack (``resources``), each partition's register limit (``setmaxnreg``), and
-    whether its SASS has wgmma and how many spill instructions.
+    heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8); with ``stream_batch`` the e4m3
+    kernel on the stream schedule (``mla_stream.py``) for batches of up to that many requests.
+    Its shared memory in bytes, registers and stack (``resources``), each partition's register
+    limit (``setmaxnreg``), whether its SASS has wgmma, how many spill instructions, and the
+    opcodes of its longest loop (``loop``) and of its tile loop (``tile_loop``: the innermost
+    one with an MMA).
     ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
@@ -99,12 +107,18 @@ def gluon_report(
         e4m3_kernel = mla_fp8_e4m3_inplace_kernel if in_place else mla_fp8_e4m3_kernel
         fn, num_warps = (e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
+    pointers, scalars, strides = POINTERS, SCALARS, STRIDES
+    if stream_batch:
+        fn = mla_fp8_e4m3_stream_kernel
+        del constexprs["BALANCED"]
+        constexprs["BATCH_P2"] = max(128, triton.next_power_of_2(stream_batch))
+        pointers, scalars, strides = STREAM_POINTERS, STREAM_SCALARS, STREAM_STRIDES
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
-             "part_lse": "*fp32", "sm_scale_log2e": "fp32"}  # fmt: skip
-    signature = {a: types.get(a, "i32") for a in (*POINTERS, *SCALARS)}
+             "part_lse": "*fp32", "sm_scale_log2e": "fp32", "out": "*bf16"}  # fmt: skip
+    signature = {a: types.get(a, "i32") for a in (*pointers, *scalars)}
     signature |= dict.fromkeys(constexprs, "constexpr")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*POINTERS, *STRIDES)}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in (*pointers, *strides)}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +130,8 @@ def gluon_report(
                 "wgmma": bool(re.search(r"\b[HQ]GMMA\b", listing)),  # fp16/bf16 or e4m3
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
-                "loop": dict(loop_opcodes(path).most_common())}  # fmt: skip
+                "loop": dict(loop_opcodes(path).most_common()),
+                "tile_loop": dict(loop_opcodes(path, "QGMMA").most_common())}  # fmt: skip
 
 
 def main() -> None:

@@ -91,24 +91,27 @@ def compile_cubin(
     return kernel.asm["cubin"]
 
 
-def loop_opcodes(cubin: Path) -> collections.Counter:
-    """Opcodes between the target of the longest backward branch and the branch."""
+def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:
+    """Opcodes between the target of the longest backward branch and the branch; with
+    ``innermost_with``, of the shortest loop that holds that opcode instead."""
     sass = subprocess.run(
         [str(CUOBJDUMP), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
-    code = {}
-    loop = (0, 0)
+    code, loops = {}, []
     for addr_hex, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         addr = int(addr_hex, 16)
-        code[addr] = text
+        code[addr] = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
         target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
-            start = int(target.group(1), 16)
-            if addr - start > loop[1] - loop[0]:
-                loop = (start, addr)
-    opcodes = (re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for a, t in code.items()
-               if loop[0] <= a <= loop[1])  # fmt: skip
-    return collections.Counter(opcodes)
+            loops.append((int(target.group(1), 16), addr))
+
+    def body(loop: tuple[int, int]) -> collections.Counter:
+        return collections.Counter(op for a, op in code.items() if loop[0] <= a <= loop[1])
+
+    if innermost_with:
+        holding = [body(lp) for lp in sorted(loops, key=lambda lp: lp[1] - lp[0])]
+        return next((ops for ops in holding if innermost_with in ops), collections.Counter())
+    return body(max(loops, key=lambda lp: lp[1] - lp[0], default=(0, 0)))
 
 
 def resources(cubin: Path) -> str:

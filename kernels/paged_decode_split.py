@@ -129,7 +129,7 @@ STREAM_MAX_BATCH = 4096
 # batch's lengths are known to be uneven (``prefers_stream``). Against the fastest split kernel
 # on the 1k-8k mixes (bench/results/fp8_kv_flashmla_stream_grid.json, every kernel timed on
 # every shape): 1.10-1.21x at 64 and 256 requests, 1.00-1.11x at 32, 0.88x (16 heads) and
-# 1.03x (8) at 16; on equal lengths 0.84-0.97x. Two waves: 0.74-0.91x of one
+# 1.03x (8) at 16; on equal lengths from 98,304 tokens 0.77-0.97x. Two waves: 0.74-0.91x of one
 # (fp8_kv_flashmla_stream_quick.json).
 MLA_FP8_E4M3_STREAM = replace(MLA_FP8_E4M3, stream=True, balanced_waves=1)
 # lengths are uneven where their total is at most this share of batch x the longest (the mixes:

@@ -1,8 +1,8 @@
-"""The stream schedule (kernels/mla_stream.py) without its Gluon stage 1: how many programs it
-launches, and its merge, fed by a float64 model of what stage 1 writes (each program's run of
-the batch's tiles, whole requests to the output, cut pieces to slot 1 where the request begins
-and slot 0 elsewhere). On the GPU, test_mla_variants.py runs the kernel itself against the
-reference with the same cuts."""
+"""The stream schedule (kernels/mla_stream.py) without its Gluon stage 1: how many programs
+it launches, when it is the default, and its merge, fed by a float64 model of what stage 1
+writes (each program's run of the batch's tiles, whole requests to the output, cut pieces to
+slot 1 where the request begins and slot 0 elsewhere). On the GPU, test_mla_variants.py runs
+the kernel itself against the reference with the same cuts."""
 
 import math
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 from tessera.kernels.paged_decode_split import (
     E4M3_MAX_SPLIT_TOKENS,
+    STREAM_MIN_TOKENS,
     _stream_merge_kernel,
+    prefers_stream,
     stream_programs,
 )
 
@@ -32,6 +34,19 @@ def test_stream_runs_stay_within_the_split_cap_in_whole_waves(tokens, batch, hea
     assert programs == waves * sms // head_blocks  # whole waves of one program an SM
     assert waves == 1 or (waves - 1) * sms // head_blocks * E4M3_MAX_SPLIT_TOKENS < tiles * 64
     assert stream_programs(tokens, batch, BLOCK_N, 0, head_blocks, sms) == sms // head_blocks
+    two = stream_programs(tokens, batch, BLOCK_N, 0, head_blocks, sms, waves=2)
+    assert two == 2 * sms // head_blocks
+
+
+def test_the_stream_schedule_is_the_default_for_uneven_batches_only():
+    """Uneven lengths (the 1k-8k mix: 0.47 of batch x the longest) from STREAM_MIN_TOKENS;
+    equal lengths, small batches and unknown totals keep the split plans."""
+    mix = [1024, 2048, 4096, 8192] * 16
+    assert prefers_stream(sum(mix), len(mix), max(mix))
+    assert not prefers_stream(None, len(mix), max(mix))  # SGLang's adapter: no total
+    assert not prefers_stream(64 * 8192, 64, 8192)  # equal lengths
+    assert not prefers_stream(sum(mix[:16]), 16, 8192)  # 61,440 tokens
+    assert sum(mix[:32]) >= STREAM_MIN_TOKENS and prefers_stream(sum(mix[:32]), 32, 8192)
 
 
 def stage_one(lens, programs, q, k, v):
