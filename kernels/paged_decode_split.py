@@ -148,6 +148,7 @@ def prefers_stream(total_tokens: int | None, batch: int, max_seq_len: int) -> bo
         and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
     )
 
+
 def pick_config(
     head_dim: int, group: int, mla: bool, fp8: bool = False, tokens: int | None = None
 ) -> DecodeConfig:
@@ -165,6 +166,8 @@ def pick_config(
     products in e4m3 (``MLA_FP8_E4M3``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same with V^T
     written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from ``WGMMA_MIN_TOKENS`` the one that
     widens each tile to fp16 (``MLA_FP8_WGMMA``); ``MLA_FP8_TRITON`` below that and off Hopper.
+    (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes the
+    e4m3 kernel on the stream schedule instead of these: ``prefers_stream``.)
     64+ heads: 64 heads a program, so each tile is read once instead of by four 16-head
     programs, in the Gluon kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp
     program per SM), BF16 and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``,
@@ -975,8 +978,9 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
-    stream = prefers_stream(total_tokens, batch, max_seq_len)
-    if config is None and (cfg.wgmma or cfg.e4m3) and stream:
+    if config is None and (cfg.wgmma or cfg.e4m3) and prefers_stream(
+        total_tokens, batch, max_seq_len
+    ):  # uneven lengths: the stream schedule instead of a split plan
         cfg = MLA_FP8_E4M3_STREAM
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
