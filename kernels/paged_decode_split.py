@@ -128,8 +128,8 @@ STREAM_MAX_BATCH = 4096
 # The e4m3 kernel on the stream schedule, one wave: the FP8 default at up to 16 heads where the
 # batch's lengths are known to be uneven (``prefers_stream``). Against the fastest split kernel
 # on the 1k-8k mixes (bench/results/fp8_kv_flashmla_stream_grid.json, every kernel timed on
-# every shape): 1.10-1.21x at 64 and 256 requests, 1.00-1.11x at 32, 0.88x (16 heads) and
-# 1.03x (8) at 16; on equal lengths from 98,304 tokens 0.77-0.97x. Two waves: 0.74-0.91x of one
+# every shape): 1.11-1.22x at 64 and 256 requests, 1.01-1.11x at 32, 0.88x (16 heads) and
+# 1.02x (8) at 16; on equal lengths from 98,304 tokens 0.77-0.97x. Two waves: 0.75-0.91x of one
 # (fp8_kv_flashmla_stream_quick.json).
 MLA_FP8_E4M3_STREAM = replace(MLA_FP8_E4M3, stream=True, balanced_waves=1)
 # lengths are uneven where their total is at most this share of batch x the longest (the mixes:
