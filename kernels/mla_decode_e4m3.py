@@ -348,9 +348,8 @@ def _q_in_two_parts(
 
 
 @gluon.jit
-def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
-    """The tile slots (latent and rope parts), p's buffer and the slots' barriers: loaded (its
-    copies landed, every producer thread's), empty (the output product done with it)."""
+def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
+    """The raw tile slots (latent and rope parts) and p's buffer ``[p_hi; p_lo]``."""
     k_lat_all = gl.allocate_shared_memory(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
@@ -361,6 +360,14 @@ def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE:
     )  # fmt: skip
     p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
                                     gl.NVMMASharedLayout(64, 8))  # fmt: skip
+    return k_lat_all, k_rope_all, p_s
+
+
+@gluon.jit
+def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
+    """``_slots`` and the slots' barriers: loaded (its copies landed, every producer thread's),
+    empty (the output product done with it)."""
+    k_lat_all, k_rope_all, p_s = _slots(BLOCK_N, BLOCK_H, D, D_ROPE)
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):

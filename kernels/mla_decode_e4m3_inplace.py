@@ -45,6 +45,7 @@ from .mla_decode_e4m3 import (
     _copy_tile,
     _halves_sum,
     _q_in_two_parts,
+    _slots,
 )
 from .mla_decode_wgmma import (
     CONSUMER_ONLY,
@@ -294,16 +295,7 @@ def mla_fp8_e4m3_inplace_kernel(
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
                                               D_ROPE, BLOCK_H)  # fmt: skip
 
-    k_lat_all = gl.allocate_shared_memory(
-        gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
-    )  # fmt: skip
-    k_rope_all = gl.allocate_shared_memory(
-        gl.float8e4nv, [NUM_BUF, BLOCK_N, D_ROPE],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
-    )  # fmt: skip
-    p_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, BLOCK_N],
-                                    gl.NVMMASharedLayout(64, 8))  # fmt: skip
+    k_lat_all, k_rope_all, p_s = _slots(BLOCK_N, BLOCK_H, D, D_ROPE)
     # a slot's round: loaded (its copies landed, every producer thread's), scored (the consumer's
     # scores done with it), transposed (V^T written over it), empty (the output product done)
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
