@@ -923,17 +923,17 @@ def _stream_merge_kernel(
     if count == 0:
         tl.store(dst, tl.zeros([DV], tl.float32).to(out.dtype.element_ty))
     elif p1 > p0:
-        lse_at = part_lse + (h * stride_ph) // DV
-        m = tl.load(lse_at + p0 * (stride_pp // DV) + 1)
-        for p in range(p0 + 1, p1 + 1):
-            m = tl.maximum(m, tl.load(lse_at + p * (stride_pp // DV)))
-        w = tl.exp2(tl.load(lse_at + p0 * (stride_pp // DV) + 1) - m)
-        total = w
-        acc = w * tl.load(part_out + p0 * stride_pp + h * stride_ph + stride_ps + offs)
-        for p in range(p0 + 1, p1 + 1):
-            w = tl.exp2(tl.load(lse_at + p * (stride_pp // DV)) - m)
+        m = tl.full([], float("-inf"), tl.float32)
+        for p in range(p0, p1 + 1):  # the piece's slot: 1 in p0, where the request begins
+            at = p * stride_pp + h * stride_ph + tl.where(p == p0, stride_ps, 0)
+            m = tl.maximum(m, tl.load(part_lse + at // DV))
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([DV], tl.float32)
+        for p in range(p0, p1 + 1):
+            at = p * stride_pp + h * stride_ph + tl.where(p == p0, stride_ps, 0)
+            w = tl.exp2(tl.load(part_lse + at // DV) - m)
             total += w
-            acc += w * tl.load(part_out + p * stride_pp + h * stride_ph + offs)
+            acc += w * tl.load(part_out + at + offs)
         tl.store(dst, (acc / total).to(out.dtype.element_ty))
 
 
@@ -992,6 +992,23 @@ def paged_decode(
     sms = num_sms(q.device)
     if cfg.stream and batch > STREAM_MAX_BATCH:
         cfg = replace(cfg, stream=False)
+    if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' one shape
+        if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
+            raise ValueError(
+                "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
+                f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
+                f"block_n={cfg.block_n}, block_h={cfg.block_h}"
+            )
+
+    if out is None:
+        out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (batch, num_heads, dv) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+    if v_from_k and cfg.stream:
+        _stream_decode(q, k_rows, scales[0], table, sm_scale, rope_dim, out, cfg, tokens, sms)
+        return out
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
         splits = plan_splits(
@@ -1010,19 +1027,6 @@ def paged_decode(
         splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n
     )
 
-    if out is None:
-        out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (batch, num_heads, dv) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{batch}, {num_heads}, {dv}], got {tuple(out.shape)}")
-    if batch == 0:
-        return out
-    if v_from_k and cfg.stream:
-        tokens_bound = total_tokens if total_tokens is not None else tokens
-        if scales is None:
-            raise ValueError("the stream MLA kernel takes FP8 pages")
-        _stream_decode(q, k_rows, scales[0], table, sm_scale, rope_dim, out, cfg, tokens_bound,
-                       sms)  # fmt: skip
-        return out
     part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
@@ -1049,12 +1053,6 @@ def paged_decode(
         return {k: v for k, v in shared.items() if k not in names}
 
     if v_from_k and (cfg.wgmma or cfg.e4m3):
-        if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
-            raise ValueError(
-                "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
-                f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
-                f"block_n={cfg.block_n}, block_h={cfg.block_h}"
-            )
         if cfg.e4m3:
             kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
             kernel[(programs, splits)](
@@ -1132,15 +1130,10 @@ def _stream_decode(
     tokens_bound: int,
     sms: int,
 ) -> None:
-    """The e4m3 MLA kernel on the stream schedule (mla_stream.py) and its merge."""
+    """The e4m3 MLA kernel on the stream schedule (mla_stream.py) and its merge, for a batch of
+    at most ``tokens_bound`` tokens (``paged_decode`` checked the shapes)."""
     batch, num_heads, qk_dim = q.shape
     dim, dv = qk_dim - rope_dim, out.shape[2]
-    if (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
-        raise ValueError(
-            "the stream MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
-            f"tiles of 16 heads, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
-            f"block_h={cfg.block_h}"
-        )
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     programs = stream_programs(tokens_bound, batch, cfg.block_n, cfg.max_split_tokens,
                                head_blocks, sms, cfg.balanced_waves)  # fmt: skip
