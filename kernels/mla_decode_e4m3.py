@@ -154,16 +154,6 @@ def _produce(
 
 
 @gluon.jit
-def _producer(
-    KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
-    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
-):  # fmt: skip
-    _produce(KV, indices, row, start, end, 0, stride_kv_slot, k_lat_all, k_rope_all, loaded,
-             empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)  # fmt: skip
-
-
-@gluon.jit
 def _halves_sum(x, layout: gl.constexpr):
     """``x[:, :N/2] + x[:, N/2:]`` in ``layout`` (the N/2-wide MMA layout: the same threads)."""
     M: gl.constexpr = x.shape[0]
@@ -432,9 +422,8 @@ def mla_fp8_e4m3_kernel(
                          part_out, part_lse, b, split, hb, num_heads,
                          stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
                          BLOCK_H, BLOCK_N, ONLY)),
-            (_producer, (KV, indices, row, start, end, stride_kv_slot, k_lat_all, k_rope_all,
-                         loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
-                         ONLY)),
+            (_produce, (KV, indices, row, start, end, 0, stride_kv_slot, k_lat_all, k_rope_all,
+                        loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
         [64],
