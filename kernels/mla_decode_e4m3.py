@@ -336,14 +336,32 @@ def _q_buffers(BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _parts_rows(hi, lo, G: gl.constexpr):
-    """q's two parts ``[BLOCK_H, dims]`` as the rows of the scores' B operand: for each of the
-    ``G`` consumer warpgroups its heads' first parts, then their residuals (``[hi; lo]`` for
-    one)."""
-    H: gl.constexpr = hi.shape[0]
-    x = gl.permute(gl.join(hi, lo), (2, 0, 1))  # [part, head, dim]
-    x = gl.permute(gl.reshape(x, [2, G, H // G, hi.shape[1]]), (1, 0, 2, 3))
-    return gl.reshape(x, [2 * H, hi.shape[1]])
+def _store_q_heads(
+    Q, b, hg, num_heads, stride_qb, stride_qh, lat_rows, rope_rows, D: gl.constexpr,
+    D_ROPE: gl.constexpr, HG: gl.constexpr, W: gl.constexpr,
+):  # fmt: skip
+    """Query heads ``hg HG .. (hg + 1) HG`` of request ``b`` (``W`` warps) into ``lat_rows`` /
+    ``rope_rows`` (``[2 HG, dims]``) in e4m3, each head over its own unit (its largest entry at
+    448), as two parts, the value and its residual; returns the units."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    q_lat, q_rope = _load_q(Q, b, hg, num_heads, stride_qb, stride_qh, D, D_ROPE, HG, q_l, qr_l)
+    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
+    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
+                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
+    q_unit = gl.maximum(q_top, 1e-30) / 448.0
+    q_lat = q_lat / q_unit[:, None]
+    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
+    # each part stored as soon as it exists: computing the residual first and storing both
+    # after gave wrong outputs on the H200 (Triton 3.6), though the PTX differs only in where
+    # the first part's stores sit
+    hi = q_lat.to(gl.float8e4nv)
+    lat_rows.slice(0, HG, dim=0).store(hi)
+    lat_rows.slice(HG, HG, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
+    hi = q_rope.to(gl.float8e4nv)
+    rope_rows.slice(0, HG, dim=0).store(hi)
+    rope_rows.slice(HG, HG, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
+    return q_unit
 
 
 @gluon.jit
@@ -351,33 +369,20 @@ def _store_q(
     Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D: gl.constexpr,
     D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr,
 ):  # fmt: skip
-    """Writes request ``b``'s query heads (``W`` warps) into ``_q_buffers`` in e4m3, each head
-    over its own unit (its largest entry at 448), as two parts, the value and its residual, in
-    the rows ``_parts_rows`` orders; returns the units."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
-                            qr_l)  # fmt: skip
-    q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
-    q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
-                       gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
-    q_unit = gl.maximum(q_top, 1e-30) / 448.0
-    q_lat = q_lat / q_unit[:, None]
-    q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
-    hi = q_lat.to(gl.float8e4nv)
-    lo = (q_lat - hi.to(gl.float32)).to(gl.float8e4nv)
-    if W == 4:
-        qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
-        qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store(lo)
-    else:
-        qq_lat.store(_parts_rows(hi, lo, W // 4))
-    hi = q_rope.to(gl.float8e4nv)
-    lo = (q_rope - hi.to(gl.float32)).to(gl.float8e4nv)
-    if W == 4:
-        qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
-        qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store(lo)
-    else:
-        qq_rope.store(_parts_rows(hi, lo, W // 4))
+    """Writes request ``b``'s query heads into ``_q_buffers`` (``_store_q_heads``), in the rows
+    the scores' B operand wants: for each consumer warpgroup its heads' first parts, then their
+    residuals (``[hi; lo]`` with one); returns the units."""
+    G: gl.constexpr = W // 4
+    HG: gl.constexpr = BLOCK_H // G
+    q_unit = _store_q_heads(Q, b, hb * G, num_heads, stride_qb, stride_qh,
+                            qq_lat.slice(0, 2 * HG, dim=0), qq_rope.slice(0, 2 * HG, dim=0), D,
+                            D_ROPE, HG, W)  # fmt: skip
+    if G == 2:
+        second = _store_q_heads(Q, b, hb * G + 1, num_heads, stride_qb, stride_qh,
+                                qq_lat.slice(2 * HG, 2 * HG, dim=0),
+                                qq_rope.slice(2 * HG, 2 * HG, dim=0), D, D_ROPE, HG,
+                                W)  # fmt: skip
+        q_unit = gl.reshape(gl.permute(gl.join(q_unit, second), (1, 0)), [BLOCK_H])
     return q_unit
 
 
