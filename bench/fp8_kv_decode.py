@@ -50,7 +50,6 @@ from tessera.kernels.paged_decode_fp8 import (
 )
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
-    MLA_FP8_E4M3_8W,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_TRITON,
@@ -430,10 +429,6 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
-    # the register one with a consumer of two warpgroups (8 warps): each runs the scores and
-    # softmax of half the heads and the output product of half the dims
-    "e4m3_8w": ("fp8", MLA_FP8_E4M3_8W),
-    "e4m3_8w_consumer_only": ("fp8", replace(MLA_FP8_E4M3_8W, only=2)),
     # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
     # run of the batch's tiles across requests
     "e4m3_stream": ("fp8", MLA_FP8_E4M3_STREAM),
@@ -519,8 +514,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "e4m3_stream", "e4m3_8w",
-                    "triton64")  # fmt: skip
+            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "e4m3_stream", "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

@@ -86,7 +86,6 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
     fp8: bool = True, e4m3: bool = False, in_place: bool = False, stream_batch: int = 0,
-    consumers: int = 1,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
@@ -108,8 +107,6 @@ def gluon_report(
         e4m3_kernel = mla_fp8_e4m3_inplace_kernel if in_place else mla_fp8_e4m3_kernel
         fn, num_warps = (e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
-        if e4m3 and not in_place and not stream_batch:
-            constexprs["W"] = num_warps = 4 * consumers
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if stream_batch:
         fn = mla_fp8_e4m3_stream_kernel

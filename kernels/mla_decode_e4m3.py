@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.runtime.jit import constexpr_function
 
 from .mla_decode_wgmma import (
     CONSUMER_ONLY,
@@ -87,49 +86,38 @@ def _copy_tile(
                   ENTRIES_PER_PAGE, BLOCK_N, rope_l)  # fmt: skip
 
 
-@constexpr_function
-def _v_load_layout(D, W):
-    """``_v_half``'s read of ``V^T`` ([D, 32]) by ``W`` warps: each thread 8 tokens' ``D / 8 W``
-    consecutive dims (16 bytes at 4 warps, 8 at 8)."""
-    db = D // (8 * W)
-    return gl.DistributedLinearLayout(
-        reg_bases=[[1 << i, 0] for i in range(db.bit_length() - 1)] + [[0, 1], [0, 2], [0, 16]],
-        lane_bases=[[0, 4], [0, 8], [db, 0], [2 * db, 0], [4 * db, 0]],
-        warp_bases=[[8 * db << i, 0] for i in range(W.bit_length() - 1)],
+@gluon.jit
+def _v_half(lat, half: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr):
+    """Half of a raw tile's tokens (32 of them), its latent part as the output product's A
+    operand in registers: ``V^T`` ([D, 32]) with its rows in the accumulator's order
+    (``_row_dims``). Half a tile at a time: the bytes as read and as permuted are both live
+    while they are permuted.
+
+    Each thread reads 16 consecutive bytes (dims) of 8 tokens; the A layout wants 4
+    consecutive tokens of a row in each register and 16 rows a thread (8 apart, then 64
+    apart). Rows are free to stand for any dims, so row ``64 b + 16 w + 8 j + q`` stands for
+    dim ``128 w + 16 q + 2 b + j``: the 16 rows of a thread are its 16 bytes, and turning
+    dims-in-a-register into tokens-in-a-register is a byte permute within each thread."""
+    gl.static_assert(D == 512, "the row order assumes 512 dims over 4 warps")
+    load_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 16]],
+        lane_bases=[[0, 4], [0, 8], [16, 0], [32, 0], [64, 0]],
+        warp_bases=[[128, 0], [256, 0]],
         block_bases=[],
         shape=[D, 32],
     )
-
-
-@gluon.jit
-def _v_half(lat, half: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr, W: gl.constexpr):
-    """Half of a raw tile's tokens (32 of them), its latent part as the output product's A
-    operand in registers of ``W`` warps: ``V^T`` ([D, 32]) with its rows in the accumulator's
-    order (``_row_dims``). Half a tile at a time: the bytes as read and as permuted are both
-    live while they are permuted.
-
-    Each thread reads ``DB = D / 8W`` consecutive bytes (dims) of 8 tokens; the A layout wants
-    4 consecutive tokens of a row in each register and ``DB`` rows a thread (8 apart, then
-    ``16 W`` apart). Rows are free to stand for any dims, so row ``16 W b + 16 w + 8 j + q``
-    stands for dim ``(D / W) w + DB q + 2 b + j``: the rows of a thread are its bytes, and
-    turning dims-in-a-register into tokens-in-a-register is a byte permute within each
-    thread."""
-    gl.static_assert(D == 512, "the row order assumes 512 dims")
-    DB: gl.constexpr = D // (8 * W)
-    v = lat.slice(32 * half, 32, dim=0).permute((1, 0)).load(_v_load_layout(D, W))  # [dims, tok]
-    v = gl.permute(gl.reshape(v, [W, 8, DB // 2, 2, 32]), (2, 0, 3, 1, 4))
+    v = lat.slice(32 * half, 32, dim=0).permute((1, 0)).load(load_l)  # [dims, tokens]
+    v = gl.permute(gl.reshape(v, [4, 8, 8, 2, 32]), (2, 0, 3, 1, 4))
     return gl.convert_layout(gl.reshape(v, [D, 32]), a_l)
 
 
 @gluon.jit
-def _output_product(
-    lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr
-):  # fmt: skip
+def _output_product(lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr):
     """Starts ``acc += V^T (p_hi + p_lo)`` for a raw tile (``p_s``: [p_hi; p_lo] in shared
     memory, [2 BLOCK_H, tokens]): four MMA groups, 32 tokens and one part of p each, all into
     one accumulator (the parts side by side in one MMA would double its registers)."""
     for half in gl.static_range(2):
-        v = _v_half(lat, half, a_l, D, W)
+        v = _v_half(lat, half, a_l, D)
         for part in gl.static_range(2):
             p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * half, 32, dim=1)
             acc = warpgroup_mma(v, p_t.permute((1, 0)), acc, is_async=True)
@@ -137,18 +125,10 @@ def _output_product(
 
 
 @gluon.jit
-def _row_dims(layout: gl.constexpr, D: gl.constexpr, W: gl.constexpr):
-    """The dim each accumulator row holds (``_v_half``'s order, ``W`` warps)."""
-    DB: gl.constexpr = D // (8 * W)
+def _row_dims(layout: gl.constexpr, D: gl.constexpr):
+    """The dim each accumulator row holds (``_v_half``'s order)."""
     r = gl.arange(0, D, layout=layout)
-    return (D // W) * (r // 16 % W) + DB * (r % 8) + 2 * (r // (16 * W)) + r // 8 % 2
-
-
-@constexpr_function
-def _producer_registers(W):
-    """The producer only issues copies: beside a consumer of 8 warps, 40 registers leave it
-    232."""
-    return 64 if W == 4 else 40
+    return 128 * (r // 16 % 4) + 16 * (r % 8) + 2 * (r // 64) + r // 8 % 2
 
 
 @gluon.jit
@@ -174,36 +154,12 @@ def _produce(
 
 
 @gluon.jit
-def _parts_sum(x, G: gl.constexpr, layout: gl.constexpr):
-    """The scores of q's two parts added, in ``layout``: ``x`` is ``[M, G 2 HG]``, each of the
-    ``G`` warpgroups' columns its ``HG`` heads' first parts, then their residuals (in the same
-    threads)."""
+def _halves_sum(x, layout: gl.constexpr):
+    """``x[:, :N/2] + x[:, N/2:]`` in ``layout`` (the N/2-wide MMA layout: the same threads)."""
     M: gl.constexpr = x.shape[0]
-    HG: gl.constexpr = x.shape[1] // (2 * G)
-    a, b = gl.split(gl.permute(gl.reshape(x, [M, G, 2, HG]), (0, 1, 3, 2)))
-    return gl.convert_layout(gl.reshape(a + b, [M, G * HG]), layout)
-
-
-@constexpr_function
-def _scores_layout(BLOCK_H, W):
-    """The scores ``[tokens, 2 BLOCK_H]`` (q's two parts as N) over ``W`` warps: with 8, each
-    warpgroup takes half the heads (both parts of each, ``_store_q``'s row order)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                     instr_shape=[16, 8 * BLOCK_H // W, 32])  # fmt: skip
-
-
-@constexpr_function
-def _softmax_layout(BLOCK_H, W):
-    """The softmax's ``[tokens, BLOCK_H]``: each warpgroup its heads of the scores."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                     instr_shape=[16, 4 * BLOCK_H // W, 16])  # fmt: skip
-
-
-@constexpr_function
-def _acc_layout(BLOCK_H, W):
-    """The output ``o^T`` ([D, BLOCK_H]): with 8 warps each warpgroup takes half the dims."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                     instr_shape=[16, BLOCK_H, 32])  # fmt: skip
+    H: gl.constexpr = x.shape[1] // 2
+    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, H]), (0, 2, 1)))
+    return gl.convert_layout(a + b, layout)
 
 
 @gluon.jit
@@ -211,16 +167,21 @@ def _consume(
     KV_SCALE, indices, row, start, end, it, stride_s_slot, sm_scale_log2e, q_unit, qq_lat,
     qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, ONLY: gl.constexpr, W: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Tokens ``[start, end)``, their first tile in the ring's ``it``-th slot: each tile's
     scores, the previous tile's output product (which frees that slot) and this tile's online
-    softmax, by ``W`` warps (``_layouts``). Returns o^T over its per-head unit (in the
-    accumulator's layout, row r holding dim ``_row_dims(r)``), the unit, the running max and
-    the softmax's sum."""
-    wide: gl.constexpr = _scores_layout(BLOCK_H, W)
-    mma: gl.constexpr = _softmax_layout(BLOCK_H, W)
-    acc_l: gl.constexpr = _acc_layout(BLOCK_H, W)
+    softmax. Returns o^T over its per-head unit (in the MMA layout, row r holding dim
+    ``_row_dims(r)``), the unit, the running max and the softmax's sum."""
+    wide: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+    )
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+    )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -249,7 +210,7 @@ def _consume(
             buf = (it + i) % NUM_BUF
             prev = (it + i + NUM_BUF - 1) % NUM_BUF
             if i > 0:  # the previous tile's output product first: its slot goes back sooner
-                pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H, W)
+                pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H)
             else:
                 pv = warpgroup_mma_init(acc)
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
@@ -268,7 +229,7 @@ def _consume(
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
             entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            s = _parts_sum(s, W // 4, mma) * q_unit[None, :]
+            s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
             s = gl.where(mask[:, None], s, float("-inf"))
 
@@ -294,11 +255,11 @@ def _consume(
             # stream schedule's next piece reuses it)
             last = (it + tiles - 1) % NUM_BUF
             acc = warpgroup_mma_wait(0, deps=(_output_product(k_lat_all.index(last), p_s, acc,
-                                                              a_l, D, BLOCK_H, W),))  # fmt: skip
+                                                              a_l, D, BLOCK_H),))  # fmt: skip
             mbarrier.arrive(empty.index(last), count=1)
-    return acc, acc_unit, m, gl.sum(l_rows, axis=0)
-    # (o^T goes out from the accumulator's layout, 8 dims a 32-byte sector: a coalescing
-    # conversion would need 16 KB of scratch, which shared memory does not have)
+    return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0)
+    # (o^T goes out from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion
+    # would need 16 KB of scratch, which shared memory does not have)
 
 
 @gluon.jit
@@ -307,17 +268,19 @@ def _consumer(
     k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
     hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, ONLY: gl.constexpr, W: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """One split: its tiles, then its partial output and log-sum-exp."""
     acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, 0, stride_s_slot,
                                    sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
                                    k_rope_all, p_s, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                   D, BLOCK_H, BLOCK_N, ONLY, W)  # fmt: skip
-    acc_l: gl.constexpr = _acc_layout(BLOCK_H, W)
+                                   D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
     _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, acc_l), D, W), BLOCK_H,
-                   _softmax_layout(BLOCK_H, W), acc_l)  # fmt: skip
+                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D), BLOCK_H, mma,
+                   mma)  # fmt: skip
 
 
 @gluon.jit
@@ -336,65 +299,41 @@ def _q_buffers(BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _store_q_heads(
-    Q, b, hg, num_heads, stride_qb, stride_qh, lat_rows, rope_rows, D: gl.constexpr,
-    D_ROPE: gl.constexpr, HG: gl.constexpr, W: gl.constexpr,
+def _store_q(
+    Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D: gl.constexpr,
+    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
 ):  # fmt: skip
-    """Query heads ``hg HG .. (hg + 1) HG`` of request ``b`` (``W`` warps) into ``lat_rows`` /
-    ``rope_rows`` (``[2 HG, dims]``) in e4m3, each head over its own unit (its largest entry at
-    448), as two parts, the value and its residual; returns the units."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    q_lat, q_rope = _load_q(Q, b, hg, num_heads, stride_qb, stride_qh, D, D_ROPE, HG, q_l, qr_l)
+    """Writes request ``b``'s query heads (4 warps) into ``_q_buffers`` in e4m3, each head over
+    its own unit (its largest entry at 448), as two parts, the value and its residual; returns
+    the units."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
+                            qr_l)  # fmt: skip
     q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
     q_top = gl.maximum(gl.max(gl.abs(q_lat), axis=1),
                        gl.convert_layout(gl.max(gl.abs(q_rope), axis=1), gl.SliceLayout(1, q_l)))
     q_unit = gl.maximum(q_top, 1e-30) / 448.0
     q_lat = q_lat / q_unit[:, None]
     q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
-    # each part stored as soon as it exists: computing the residual first and storing both
-    # after gave wrong outputs on the H200 (Triton 3.6), though the PTX differs only in where
-    # the first part's stores sit
     hi = q_lat.to(gl.float8e4nv)
-    lat_rows.slice(0, HG, dim=0).store(hi)
-    lat_rows.slice(HG, HG, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
+    qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
     hi = q_rope.to(gl.float8e4nv)
-    rope_rows.slice(0, HG, dim=0).store(hi)
-    rope_rows.slice(HG, HG, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
-    return q_unit
-
-
-@gluon.jit
-def _store_q(
-    Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D: gl.constexpr,
-    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr,
-):  # fmt: skip
-    """Writes request ``b``'s query heads into ``_q_buffers`` (``_store_q_heads``), in the rows
-    the scores' B operand wants: for each consumer warpgroup its heads' first parts, then their
-    residuals (``[hi; lo]`` with one); returns the units."""
-    G: gl.constexpr = W // 4
-    HG: gl.constexpr = BLOCK_H // G
-    q_unit = _store_q_heads(Q, b, hb * G, num_heads, stride_qb, stride_qh,
-                            qq_lat.slice(0, 2 * HG, dim=0), qq_rope.slice(0, 2 * HG, dim=0), D,
-                            D_ROPE, HG, W)  # fmt: skip
-    if G == 2:
-        second = _store_q_heads(Q, b, hb * G + 1, num_heads, stride_qb, stride_qh,
-                                qq_lat.slice(2 * HG, 2 * HG, dim=0),
-                                qq_rope.slice(2 * HG, 2 * HG, dim=0), D, D_ROPE, HG,
-                                W)  # fmt: skip
-        q_unit = gl.reshape(gl.permute(gl.join(q_unit, second), (1, 0)), [BLOCK_H])
+    qq_rope.slice(0, BLOCK_H, dim=0).store(hi)
+    qq_rope.slice(BLOCK_H, BLOCK_H, dim=0).store((q_rope - hi.to(gl.float32)).to(gl.float8e4nv))
     return q_unit
 
 
 @gluon.jit
 def _q_in_two_parts(
     Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
-    BLOCK_H: gl.constexpr, W: gl.constexpr,
+    BLOCK_H: gl.constexpr,
 ):  # fmt: skip
     """``_store_q`` into new ``_q_buffers``: (the units, the latent parts, the rope parts)."""
     qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
     q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
-                      BLOCK_H, W)  # fmt: skip
+                      BLOCK_H)  # fmt: skip
     return q_unit, qq_lat, qq_rope
 
 
@@ -458,12 +397,10 @@ def mla_fp8_e4m3_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
-    W: gl.constexpr = 4,
 ):
-    """Stage 1: the producer warpgroup copies raw tiles, the consumer (the kernel's ``W`` warps:
-    one warpgroup, or two) reads their V^T and runs both e4m3 products and the softmax.
-    ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work
-    alone."""
+    """Stage 1: the producer warpgroup copies raw tiles, the consumer warpgroup (the kernel's 4
+    warps) reads their V^T and runs both e4m3 products and the softmax. ``ONLY``, for
+    measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -473,7 +410,7 @@ def mla_fp8_e4m3_kernel(
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
-                                              D_ROPE, BLOCK_H, W)  # fmt: skip
+                                              D_ROPE, BLOCK_H)  # fmt: skip
 
     k_lat_all, k_rope_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
@@ -484,12 +421,12 @@ def mla_fp8_e4m3_kernel(
                          q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty,
                          part_out, part_lse, b, split, hb, num_heads,
                          stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
-                         BLOCK_H, BLOCK_N, ONLY, W)),
+                         BLOCK_H, BLOCK_N, ONLY)),
             (_produce, (KV, indices, row, start, end, 0, stride_kv_slot, k_lat_all, k_rope_all,
                         loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
-        [_producer_registers(W)],
+        [64],
     )  # fmt: skip
 
 
@@ -525,9 +462,10 @@ def _stream_consumer(
     """The run ``[lo, hi)`` piece after piece: each piece's query, its tiles, then its request's
     output where the piece is the whole request, else a partial output in the program's slot
     (``mla_stream``)."""
-    W: gl.constexpr = 4
-    acc_l: gl.constexpr = _acc_layout(BLOCK_H, W)
-    dims = _row_dims(gl.SliceLayout(1, acc_l), D, W)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    dims = _row_dims(gl.SliceLayout(1, mma), D)
     t = lo
     it = 0
     while t < hi:
@@ -536,22 +474,20 @@ def _stream_consumer(
         )
         # (the last piece's products, which read q, are done)
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
-                          BLOCK_H, W)  # fmt: skip
+                          BLOCK_H)  # fmt: skip
         fence_async_shared()
         acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, it, stride_s_slot,
                                        sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
                                        k_rope_all, p_s, loaded, empty, PAGE_SIZE,
-                                       ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY,
-                                       W)  # fmt: skip
+                                       ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
         it += gl.cdiv(end - start, BLOCK_N)
         if (first >= lo) & (last <= hi):
             store_output(acc, acc_unit, l, out, b, hb, num_heads, stride_ob, stride_oh, dims,
-                         BLOCK_H, acc_l)  # fmt: skip
+                         BLOCK_H, mma)  # fmt: skip
         else:
             _store_partial(acc, acc_unit, m, l, part_out, part_lse, program,
                            (first >= lo).to(gl.int32), hb, num_heads, stride_pb, stride_ph,
-                           stride_ps, dims, BLOCK_H, _softmax_layout(BLOCK_H, W),
-                           acc_l)  # fmt: skip
+                           stride_ps, dims, BLOCK_H, mma, mma)  # fmt: skip
         t = gl.minimum(last, hi)
 
 

@@ -43,7 +43,7 @@ from .mla_decode_e4m3 import (
     NUM_BUF,
     PRODUCER_THREADS,
     _copy_tile,
-    _parts_sum,
+    _halves_sum,
     _q_in_two_parts,
     _slots,
 )
@@ -213,7 +213,7 @@ def _consumer(
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
             entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            s = _parts_sum(s, 1, mma) * q_unit[None, :]
+            s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
             s = gl.where(mask[:, None], s, float("-inf"))
 
@@ -242,7 +242,7 @@ def _consumer(
             last = (tiles - 1) % NUM_BUF
             mbarrier.wait(transposed.index(last), (tiles - 1) // NUM_BUF & 1)
             acc = warpgroup_mma(vt_all.index(last), p_s.permute((1, 0)), acc)
-    _store_partial(_parts_sum(acc, 1, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
+    _store_partial(_halves_sum(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
                    part_lse, b, split, hb, num_heads, stride_pb, stride_ph, stride_ps,
                    gl.arange(0, D, layout=gl.SliceLayout(1, mma)), BLOCK_H, mma, mma)  # fmt: skip
     # (stored from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion would
@@ -293,7 +293,7 @@ def mla_fp8_e4m3_inplace_kernel(
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
-                                              D_ROPE, BLOCK_H, 4)  # fmt: skip
+                                              D_ROPE, BLOCK_H)  # fmt: skip
 
     k_lat_all, k_rope_all, p_s = _slots(BLOCK_N, BLOCK_H, D, D_ROPE)
     # a slot's round: loaded (its copies landed, every producer thread's), scored (the consumer's

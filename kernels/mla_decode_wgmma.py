@@ -308,8 +308,7 @@ def _store_partial(
     empty = l == 0.0  # a split past the request's end
     l = gl.where(empty, 1.0, l)
     lse = gl.where(empty, float("-inf"), m + gl.log2(l))
-    factor = gl.convert_layout(acc_unit / l, gl.SliceLayout(0, acc.type.layout))
-    out = gl.convert_layout(acc * factor[None, :], out_l)
+    out = gl.convert_layout(acc * (acc_unit / l)[None, :], out_l)
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
     part = part_out + b * stride_pb + split * stride_ps + ho[None, :] * stride_ph
     # a split past the request's end stores only its log-sum-exp (the merge reads that first)

@@ -82,7 +82,7 @@ def store_output(
 ):  # fmt: skip
     """A whole request's output (``acc`` is o^T over ``acc_unit`` in ``out_l``; row r holds
     dim ``dims[r]``), in ``out``'s dtype."""
-    o = acc * gl.convert_layout(acc_unit / l, gl.SliceLayout(0, out_l))[None, :]
+    o = acc * (acc_unit / l)[None, :]
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_l))
     dst = out + b * stride_ob + ho[None, :] * stride_oh + dims[:, None]
     gl.store(dst, o.to(out.dtype.element_ty), mask=(ho < num_heads)[None, :])

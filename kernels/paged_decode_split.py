@@ -104,9 +104,6 @@ MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
 # ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
 # E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
 MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
-# ... with a consumer of 8 warps (two warpgroups, each the scores and softmax of half the heads
-# and the output of half the dims)
-MLA_FP8_E4M3_8W = replace(MLA_FP8_E4M3, num_warps=8)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -1056,15 +1053,11 @@ def paged_decode(
         return {k: v for k, v in shared.items() if k not in names}
 
     if v_from_k and (cfg.wgmma or cfg.e4m3):
-        if cfg.e4m3_in_place:
-            mla_fp8_e4m3_inplace_kernel[(programs, splits)](
+        if cfg.e4m3:
+            kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
+            kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )
-        elif cfg.e4m3:
-            mla_fp8_e4m3_kernel[(programs, splits)](
-                ONLY=cfg.only, W=cfg.num_warps, **mla,
-                **shared_but("FP8", "INTERPRETED", "num_stages"),
-            )  # fmt: skip
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
