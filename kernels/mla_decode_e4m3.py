@@ -87,6 +87,18 @@ def _copy_tile(
 
 
 @gluon.jit
+def _copy_scales(
+    KV_SCALE, indices, row, n0, end, stride_s_slot, dst, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Starts copying tokens ``n0 .. n0 + BLOCK_N``'s KV scales into ``dst`` (0 past ``end``)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    entry = _tile_entry(indices, row, n0, end, layout, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, layout, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    _async_load(dst, KV_SCALE + slot * stride_s_slot, mask)
+
+
+@gluon.jit
 def _v_half(lat, half: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr):
     """Half of a raw tile's tokens (32 of them), its latent part as the output product's A
     operand in registers: ``V^T`` ([D, 32]) with its rows in the accumulator's order
@@ -133,12 +145,13 @@ def _row_dims(layout: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _produce(
-    KV, indices, row, start, end, it, stride_kv_slot, k_lat_all, k_rope_all, loaded, empty,
-    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+    KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot, stride_s_slot, k_lat_all,
+    k_rope_all, scales_all, loaded, empty, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
-    """Copies each raw tile of tokens ``[start, end)`` into the next free slot, the first into
-    the ring's ``it``-th; returns the ring position after them."""
+    """Copies each raw tile of tokens ``[start, end)`` and its KV scales into the next free
+    slot, the first into the ring's ``it``-th; returns the ring position after them."""
     tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(tiles):
         buf = (it + i) % NUM_BUF
@@ -149,6 +162,8 @@ def _produce(
             _copy_tile(KV, indices, row, start + i * BLOCK_N, end, stride_kv_slot,
                        k_lat_all.index(buf), k_rope_all.index(buf), PAGE_SIZE,
                        ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
+            _copy_scales(KV_SCALE, indices, row, start + i * BLOCK_N, end, stride_s_slot,
+                         scales_all.index(buf), PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
             async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
     return it + tiles
 
@@ -164,15 +179,15 @@ def _halves_sum(x, layout: gl.constexpr):
 
 @gluon.jit
 def _consume(
-    KV_SCALE, indices, row, start, end, it, stride_s_slot, sm_scale_log2e, q_unit, qq_lat,
-    qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
+    start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
+    p_s, loaded, empty, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    ONLY: gl.constexpr,
 ):  # fmt: skip
     """Tokens ``[start, end)``, their first tile in the ring's ``it``-th slot: each tile's
     scores, the previous tile's output product (which frees that slot) and this tile's online
-    softmax. Returns o^T over its per-head unit (in the MMA layout, row r holding dim
-    ``_row_dims(r)``), the unit, the running max and the softmax's sum."""
+    softmax, its KV scales read from the slot (the producer copied them with the tile, so no
+    global load waits here). Returns o^T over its per-head unit (in the MMA layout, row r
+    holding dim ``_row_dims(r)``), the unit, the running max and the softmax's sum."""
     wide: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
     )
@@ -198,11 +213,6 @@ def _consume(
             mbarrier.arrive(empty.index(buf), count=1)
     else:
         n0 = start
-        entry = _tile_entry(indices, row, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-        slot, mask = _tile_slots(entry, n0, end, tok_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-        scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
-        entry = _tile_entry(indices, row, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
-                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
         p_hi_s = p_s.slice(0, BLOCK_H, dim=0).permute((1, 0))
         p_lo_s = p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0))
         zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
@@ -221,14 +231,11 @@ def _consume(
                                    is_async=True)  # fmt: skip
             # the output product done (MMA groups retire in order): its slot, p's buffer and
             # the A registers are free while the scores run
+            scale = scales_all.index(buf).load(tok_l)  # 0 past the end
+            mask = n0 + gl.arange(0, BLOCK_N, layout=tok_l) < end
             acc = warpgroup_mma_wait(2, deps=(pv,))
             mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
             s = warpgroup_mma_wait(0, deps=(scores,))
-            slot, next_mask = _tile_slots(entry, n0 + BLOCK_N, end, tok_l, PAGE_SIZE,
-                                          ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
-            entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
-                                ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
             s = gl.where(mask[:, None], s, float("-inf"))
@@ -249,7 +256,6 @@ def _consume(
             p_lo_s.store((p - p_hi.to(gl.float32)).to(gl.float8e4nv))
             fence_async_shared()
             m = m_new
-            scale, mask = next_scale, next_mask
             n0 += BLOCK_N
         if tiles > 0:  # the last tile's output product, then its slot goes back (the
             # stream schedule's next piece reuses it)
@@ -264,17 +270,15 @@ def _consume(
 
 @gluon.jit
 def _consumer(
-    KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-    k_lat_all, k_rope_all, p_s, loaded, empty, part_out, part_lse, b, split,
-    hb, num_heads, stride_pb, stride_ph, stride_ps, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
+    start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
+    p_s, loaded, empty, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    ONLY: gl.constexpr,
 ):  # fmt: skip
     """One split: its tiles, then its partial output and log-sum-exp."""
-    acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, 0, stride_s_slot,
-                                   sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
-                                   k_rope_all, p_s, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                   D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+    acc, acc_unit, m, l = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+                                   k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
+                                   BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
     )
@@ -355,15 +359,17 @@ def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE
 
 @gluon.jit
 def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
-    """``_slots`` and the slots' barriers: loaded (its copies landed, every producer thread's),
-    empty (the output product done with it)."""
+    """``_slots``, each slot's KV scales and the slots' barriers: loaded (its copies landed,
+    every producer thread's), empty (the output product done with it)."""
     k_lat_all, k_rope_all, p_s = _slots(BLOCK_N, BLOCK_H, D, D_ROPE)
+    scales_all = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_N],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
         mbarrier.init(empty.index(i), count=1)
-    return k_lat_all, k_rope_all, p_s, loaded, empty
+    return k_lat_all, k_rope_all, scales_all, p_s, loaded, empty
 
 
 @gluon.jit
@@ -412,18 +418,18 @@ def mla_fp8_e4m3_kernel(
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
                                               D_ROPE, BLOCK_H)  # fmt: skip
 
-    k_lat_all, k_rope_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
+    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
         [
-            (_consumer, (KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e,
-                         q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty,
-                         part_out, part_lse, b, split, hb, num_heads,
-                         stride_pb, stride_ph, stride_ps, PAGE_SIZE, ENTRIES_PER_PAGE, D,
-                         BLOCK_H, BLOCK_N, ONLY)),
-            (_produce, (KV, indices, row, start, end, 0, stride_kv_slot, k_lat_all, k_rope_all,
-                        loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
+            (_consumer, (start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
+                         k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b,
+                         split, hb, num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H,
+                         BLOCK_N, ONLY)),
+            (_produce, (KV, KV_SCALE, indices, row, start, end, 0, stride_kv_slot,
+                        stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
+                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
         [64],
@@ -432,10 +438,10 @@ def mla_fp8_e4m3_kernel(
 
 @gluon.jit
 def _stream_producer(
-    KV, seq_lens, indptr, indices, ends_s, lo, hi, stride_kv_slot, k_lat_all, k_rope_all,
-    loaded, empty, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
-    LENS_ARE_ENDS: gl.constexpr, BLOCK_N: gl.constexpr, BATCH_P2: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
+    KV, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi, stride_kv_slot, stride_s_slot,
+    k_lat_all, k_rope_all, scales_all, loaded, empty, PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr, LENS_ARE_ENDS: gl.constexpr, BLOCK_N: gl.constexpr,
+    BATCH_P2: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Copies the tiles of the run ``[lo, hi)``, piece after piece, with no gap between them."""
     t = lo
@@ -444,18 +450,17 @@ def _stream_producer(
         b, row, start, end, first, last = stream_piece(
             ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
         )
-        it = _produce(KV, indices, row, start, end, it, stride_kv_slot, k_lat_all,
-                      k_rope_all, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                      D_ROPE, ONLY)  # fmt: skip
+        it = _produce(KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot,
+                      stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
+                      PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)  # fmt: skip
         t = gl.minimum(last, hi)
 
 
 @gluon.jit
 def _stream_consumer(
-    Q, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi, stride_s_slot, sm_scale_log2e,
-    qq_lat, qq_rope, k_lat_all, k_rope_all, p_s, loaded, empty, out, part_out, part_lse,
-    program, hb, num_heads, stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph,
-    stride_ps, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr,
+    Q, seq_lens, indptr, ends_s, lo, hi, sm_scale_log2e, qq_lat, qq_rope, k_lat_all,
+    k_rope_all, scales_all, p_s, loaded, empty, out, part_out, part_lse, program, hb,
+    num_heads, stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     LENS_ARE_ENDS: gl.constexpr, BATCH_P2: gl.constexpr, D: gl.constexpr,
     D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
@@ -476,10 +481,9 @@ def _stream_consumer(
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
                           BLOCK_H)  # fmt: skip
         fence_async_shared()
-        acc, acc_unit, m, l = _consume(KV_SCALE, indices, row, start, end, it, stride_s_slot,
-                                       sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
-                                       k_rope_all, p_s, loaded, empty, PAGE_SIZE,
-                                       ENTRIES_PER_PAGE, D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+        acc, acc_unit, m, l = _consume(start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+                                       k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
+                                       D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
         it += gl.cdiv(end - start, BLOCK_N)
         if (first >= lo) & (last <= hi):
             store_output(acc, acc_unit, l, out, b, hb, num_heads, stride_ob, stride_oh, dims,
@@ -533,22 +537,21 @@ def mla_fp8_e4m3_stream_kernel(
     ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2)
     lo, hi = stream_run(total, gl.num_programs(0), program)
     qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
-    k_lat_all, k_rope_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
+    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()
 
     gl.warp_specialize(
         [
-            (_stream_consumer, (Q, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi,
-                                stride_s_slot, sm_scale_log2e, qq_lat, qq_rope, k_lat_all,
-                                k_rope_all, p_s, loaded, empty, out, part_out, part_lse,
-                                program, hb, num_heads, stride_qb, stride_qh, stride_ob,
-                                stride_oh, stride_pb, stride_ph, stride_ps, PAGE_SIZE,
-                                ENTRIES_PER_PAGE, LENS_ARE_ENDS, BATCH_P2, D, D_ROPE, BLOCK_H,
+            (_stream_consumer, (Q, seq_lens, indptr, ends_s, lo, hi, sm_scale_log2e, qq_lat,
+                                qq_rope, k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
+                                out, part_out, part_lse, program, hb, num_heads, stride_qb,
+                                stride_qh, stride_ob, stride_oh, stride_pb, stride_ph,
+                                stride_ps, LENS_ARE_ENDS, BATCH_P2, D, D_ROPE, BLOCK_H,
                                 BLOCK_N, ONLY)),
-            (_stream_producer, (KV, seq_lens, indptr, indices, ends_s, lo, hi, stride_kv_slot,
-                                k_lat_all, k_rope_all, loaded, empty, PAGE_SIZE,
-                                ENTRIES_PER_PAGE, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, D, D_ROPE,
-                                ONLY)),
+            (_stream_producer, (KV, KV_SCALE, seq_lens, indptr, indices, ends_s, lo, hi,
+                                stride_kv_slot, stride_s_slot, k_lat_all, k_rope_all,
+                                scales_all, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                LENS_ARE_ENDS, BLOCK_N, BATCH_P2, D, D_ROPE, ONLY)),
         ],
         [4],
         [64],
