@@ -322,6 +322,9 @@ def _store_q(
     q_unit = gl.maximum(q_top, 1e-30) / 448.0
     q_lat = q_lat / q_unit[:, None]
     q_rope = q_rope / gl.convert_layout(q_unit, gl.SliceLayout(1, qr_l))[:, None]
+    # each part stored as soon as it exists: computing both and storing them after gave wrong
+    # outputs on the H200 (Triton 3.6; not root-caused, the PTX differed only in where the first
+    # part's stores sit)
     hi = q_lat.to(gl.float8e4nv)
     qq_lat.slice(0, BLOCK_H, dim=0).store(hi)
     qq_lat.slice(BLOCK_H, BLOCK_H, dim=0).store((q_lat - hi.to(gl.float32)).to(gl.float8e4nv))
