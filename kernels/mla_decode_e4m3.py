@@ -229,12 +229,12 @@ def _consume(
                                    use_acc=False, is_async=True)  # fmt: skip
             scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
                                    is_async=True)  # fmt: skip
-            # the output product done (MMA groups retire in order): its slot, p's buffer and
-            # the A registers are free while the scores run
             mask = n0 + gl.arange(0, BLOCK_N, layout=tok_l) < end
             # 0 past the end (a masked copy leaves the slot's old scales there), so that the
             # tile's largest scale, which p is relative to, is a real token's
             scale = gl.where(mask, scales_all.index(buf).load(tok_l), 0.0)
+            # the output product done (MMA groups retire in order): its slot, p's buffer and
+            # the A registers are free while the scores run
             acc = warpgroup_mma_wait(2, deps=(pv,))
             mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
             s = warpgroup_mma_wait(0, deps=(scores,))

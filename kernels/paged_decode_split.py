@@ -140,10 +140,11 @@ STREAM_MIN_TOKENS = 98304
 
 
 def prefers_stream(total_tokens: int | None, batch: int, max_seq_len: int) -> bool:
-    """Whether the stream schedule is the faster one: the batch's total is known, large enough,
-    and well below batch x the longest length (uneven lengths)."""
+    """Whether the stream schedule is the faster one: the batch fits it, and its total is known,
+    large enough, and well below batch x the longest length (uneven lengths)."""
     return (
         total_tokens is not None
+        and batch <= STREAM_MAX_BATCH
         and total_tokens >= STREAM_MIN_TOKENS
         and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
     )
@@ -990,7 +991,7 @@ def paged_decode(
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
-    if cfg.stream and batch > STREAM_MAX_BATCH:
+    if cfg.stream and batch > STREAM_MAX_BATCH:  # a caller's stream config, past what it takes
         cfg = replace(cfg, stream=False)
     if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' one shape
         if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):

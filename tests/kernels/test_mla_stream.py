@@ -10,6 +10,7 @@ import pytest
 import torch
 from tessera.kernels.paged_decode_split import (
     E4M3_MAX_SPLIT_TOKENS,
+    STREAM_MAX_BATCH,
     STREAM_MIN_TOKENS,
     _stream_merge_kernel,
     prefers_stream,
@@ -47,6 +48,9 @@ def test_the_stream_schedule_is_the_default_for_uneven_batches_only():
     assert not prefers_stream(64 * 8192, 64, 8192)  # equal lengths
     assert not prefers_stream(sum(mix[:16]), 16, 8192)  # 61,440 tokens
     assert sum(mix[:32]) >= STREAM_MIN_TOKENS and prefers_stream(sum(mix[:32]), 32, 8192)
+    many = [64, 8192] * (STREAM_MAX_BATCH // 2)  # uneven, but past what the schedule takes
+    assert prefers_stream(sum(many), len(many), 8192)
+    assert not prefers_stream(sum(many) + 64, len(many) + 1, 8192)
 
 
 def stage_one(lens, programs, q, k, v):
