@@ -50,6 +50,7 @@ from tessera.kernels.paged_decode_fp8 import (
 )
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_TRITON,
@@ -442,6 +443,10 @@ MLA_PEER_VARIANTS = {
     # the mixes, 0.82-0.99x, tied on equal lengths: fp8_kv_flashmla_one_wave_quick.json)
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
+    # the register one on 128-token tiles, two consumer warpgroups (half the tiles' chains)
+    "e4m3_128": ("fp8", MLA_FP8_E4M3_128),
+    "e4m3_128_producer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=1)),
+    "e4m3_128_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),
@@ -505,12 +510,14 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
     return unique
 
 
-def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0) -> None:
+def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=()) -> None:
     for heads, batch, ctx, mix, named in mla_peer_grid(quick):
         if heads < min_heads:
             continue
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
         table = MLA_PEER_VARIANTS if heads <= 16 else MLA_WIDE_PEER_VARIANTS
+        if only:  # a side-by-side run of a few variants
+            table = {k: v for k, v in table.items() if k in only}
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
@@ -679,6 +686,8 @@ def main() -> None:
     )
     ap.add_argument("--min-heads", type=int, default=0,
                     help="--mla-peers: only the shapes of at least this many heads")  # fmt: skip
+    ap.add_argument("--only", default="",
+                    help="--mla-peers: only these variants (comma-separated) beside the defaults")
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -722,7 +731,8 @@ def main() -> None:
         print(line(row), flush=True)
 
     if args.mla_peers:
-        mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads)
+        only = tuple(filter(None, args.only.split(",")))
+        mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads, only)
         print("\n".join(_peer_line(r) for r in rows))
         return
     mla_grid = [(64, 8192, 16), (64, 4096, 64)]
@@ -776,6 +786,8 @@ def _command_line(args) -> str:
     words += [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
     if args.min_heads:
         words += ["--min-heads", str(args.min_heads)]
+    if args.only:
+        words += ["--only", args.only]
     if args.sglang_kernel:
         path = args.sglang_kernel.resolve()
         shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name

@@ -13,7 +13,7 @@ to fp16 and whose consumer read that tile from shared memory at N = 16 for each 
   two parts of p one MMA each into one accumulator. FP8 MMA operands must be K-major, and the
   output product's K is the tokens, so V^T is the MMA's A operand in registers: each thread
   reads 16 bytes (dims) of a token at a time from the raw tile and permutes bytes within its
-  registers into 4 tokens of one dim each (``_v_half``); the accumulator's rows stand for the
+  registers into 4 tokens of one dim each (``_v_chunk``); the accumulator's rows stand for the
   dims in the order that makes this possible, and the store puts each row at its dim. Nothing
   hands a tile back to the producer but the end of its output product.
 - A tile's output product is started before the next tile's scores, so the slot goes back and
@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.runtime.jit import constexpr_function
 
 from .mla_decode_wgmma import (
     CONSUMER_ONLY,
@@ -51,8 +52,28 @@ from .mla_stream import store_output, stream_ends, stream_piece, stream_run
 
 # Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-NUM_BUF = gl.constexpr(5)  # tile slots, 36 KB each
+NUM_BUF = gl.constexpr(5)  # tile slots of 64 tokens, 36 KB each
 PRODUCER_THREADS = gl.constexpr(128)
+
+
+@constexpr_function
+def _ring_slots(BLOCK_N):
+    """Tile slots in the ring: five of 64 tokens (36 KB each), or two of 128 (72 KB; a third
+    would not fit beside q and p)."""
+    return NUM_BUF if BLOCK_N == 64 else 2
+
+
+@constexpr_function
+def _consumer_warps(BLOCK_N):
+    """The consumer's warps: 16 tokens (MMA rows) a warp, so one warpgroup for 64-token tiles
+    and two for 128."""
+    return BLOCK_N // 16
+
+
+@constexpr_function
+def _producer_registers(BLOCK_N):
+    """The producer only issues copies; a 128-token tile's addresses need more registers."""
+    return 64 if BLOCK_N == 64 else 96
 
 
 @gluon.jit
@@ -98,49 +119,69 @@ def _copy_scales(
     _async_load(dst, KV_SCALE + slot * stride_s_slot, mask)
 
 
-@gluon.jit
-def _v_half(lat, half: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr):
-    """Half of a raw tile's tokens (32 of them), its latent part as the output product's A
-    operand in registers: ``V^T`` ([D, 32]) with its rows in the accumulator's order
-    (``_row_dims``). Half a tile at a time: the bytes as read and as permuted are both live
-    while they are permuted.
-
-    Each thread reads 16 consecutive bytes (dims) of 8 tokens; the A layout wants 4
-    consecutive tokens of a row in each register and 16 rows a thread (8 apart, then 64
-    apart). Rows are free to stand for any dims, so row ``64 b + 16 w + 8 j + q`` stands for
-    dim ``128 w + 16 q + 2 b + j``: the 16 rows of a thread are its 16 bytes, and turning
-    dims-in-a-register into tokens-in-a-register is a byte permute within each thread."""
-    gl.static_assert(D == 512, "the row order assumes 512 dims over 4 warps")
-    load_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 16]],
-        lane_bases=[[0, 4], [0, 8], [16, 0], [32, 0], [64, 0]],
-        warp_bases=[[128, 0], [256, 0]],
+@constexpr_function
+def _v_load_layout(D, W):
+    """``_v_chunk``'s read of ``V^T`` ([D, 32]) by ``W`` warps: each thread 8 tokens' ``D / 8 W``
+    consecutive dims (16 bytes with 4 warps, 8 with 8)."""
+    db = D // (8 * W)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1 << i, 0] for i in range(db.bit_length() - 1)] + [[0, 1], [0, 2], [0, 16]],
+        lane_bases=[[0, 4], [0, 8], [db, 0], [2 * db, 0], [4 * db, 0]],
+        warp_bases=[[8 * db << i, 0] for i in range(W.bit_length() - 1)],
         block_bases=[],
         shape=[D, 32],
     )
-    v = lat.slice(32 * half, 32, dim=0).permute((1, 0)).load(load_l)  # [dims, tokens]
-    v = gl.permute(gl.reshape(v, [4, 8, 8, 2, 32]), (2, 0, 3, 1, 4))
+
+
+@gluon.jit
+def _v_chunk(lat, c: gl.constexpr, a_l: gl.constexpr, D: gl.constexpr, W: gl.constexpr):
+    """Tokens ``32 c .. 32 c + 32`` of a raw tile, its latent part as the output product's A
+    operand in the registers of ``W`` warps: ``V^T`` ([D, 32]) with its rows in the
+    accumulator's order (``_row_dims``). 32 tokens at a time: the bytes as read and as permuted
+    are both live while they are permuted.
+
+    Each thread reads ``DB = D / 8 W`` consecutive bytes (dims) of 8 tokens; the A layout wants
+    4 consecutive tokens of a row in each register and ``DB`` rows a thread (8 apart, then
+    ``16 W`` apart). Rows are free to stand for any dims, so row ``16 W b + 16 w + 8 j + q``
+    stands for dim ``(D / W) w + DB q + 2 b + j``: the rows of a thread are its bytes, and
+    turning dims-in-a-register into tokens-in-a-register is a byte permute within each
+    thread."""
+    gl.static_assert(D == 512, "the row order assumes 512 dims")
+    DB: gl.constexpr = D // (8 * W)
+    v = lat.slice(32 * c, 32, dim=0).permute((1, 0)).load(_v_load_layout(D, W))  # [dims, tok]
+    v = gl.permute(gl.reshape(v, [W, 8, DB // 2, 2, 32]), (2, 0, 3, 1, 4))
     return gl.convert_layout(gl.reshape(v, [D, 32]), a_l)
 
 
 @gluon.jit
-def _output_product(lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr):
+def _output_product(
+    lat, p_s, acc, a_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr
+):  # fmt: skip
     """Starts ``acc += V^T (p_hi + p_lo)`` for a raw tile (``p_s``: [p_hi; p_lo] in shared
-    memory, [2 BLOCK_H, tokens]): four MMA groups, 32 tokens and one part of p each, all into
+    memory, [2 BLOCK_H, tokens]): MMA groups of 32 tokens and one part of p each, all into
     one accumulator (the parts side by side in one MMA would double its registers)."""
-    for half in gl.static_range(2):
-        v = _v_half(lat, half, a_l, D)
+    for c in gl.static_range(p_s.shape[1] // 32):
+        v = _v_chunk(lat, c, a_l, D, W)
         for part in gl.static_range(2):
-            p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * half, 32, dim=1)
+            p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * c, 32, dim=1)
             acc = warpgroup_mma(v, p_t.permute((1, 0)), acc, is_async=True)
     return acc
 
 
 @gluon.jit
-def _row_dims(layout: gl.constexpr, D: gl.constexpr):
-    """The dim each accumulator row holds (``_v_half``'s order)."""
+def _row_dims(layout: gl.constexpr, D: gl.constexpr, W: gl.constexpr):
+    """The dim each accumulator row holds (``_v_chunk``'s order, ``W`` warps)."""
+    DB: gl.constexpr = D // (8 * W)
     r = gl.arange(0, D, layout=layout)
-    return 128 * (r // 16 % 4) + 16 * (r % 8) + 2 * (r // 64) + r // 8 % 2
+    return (D // W) * (r // 16 % W) + DB * (r % 8) + 2 * (r // (16 * W)) + r // 8 % 2
+
+
+@constexpr_function
+def _mma_layout(BLOCK_N, N, K):
+    """The MMA layout of ``_consume``'s products and softmax over ``BLOCK_N // 16`` warps: 16
+    rows a warp, ``N`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BLOCK_N // 16, 1],
+                                     instr_shape=[16, N, K])  # fmt: skip
 
 
 @gluon.jit
@@ -152,6 +193,7 @@ def _produce(
 ):  # fmt: skip
     """Copies each raw tile of tokens ``[start, end)`` and its KV scales into the next free
     slot, the first into the ring's ``it``-th; returns the ring position after them."""
+    NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(tiles):
         buf = (it + i) % NUM_BUF
@@ -187,16 +229,13 @@ def _consume(
     scores, the previous tile's output product (which frees that slot) and this tile's online
     softmax, its KV scales read from the slot (the producer copied them with the tile, so no
     global load waits here). Returns o^T over its per-head unit (in the MMA layout, row r
-    holding dim ``_row_dims(r)``), the unit, the running max and the softmax's sum."""
-    wide: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
-    )
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
-    )
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
-    )
+    holding dim ``_row_dims(r)``), the unit, the running max and the softmax's sum. A tile of
+    128 tokens takes two warpgroups: each the scores of its 64 tokens and half of o^T's dims."""
+    NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
+    W: gl.constexpr = _consumer_warps(BLOCK_N)
+    wide: gl.constexpr = _mma_layout(BLOCK_N, 2 * BLOCK_H, 32)
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
+    acc_l: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 32)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     head_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -220,7 +259,7 @@ def _consume(
             buf = (it + i) % NUM_BUF
             prev = (it + i + NUM_BUF - 1) % NUM_BUF
             if i > 0:  # the previous tile's output product first: its slot goes back sooner
-                pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H)
+                pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H, W)
             else:
                 pv = warpgroup_mma_init(acc)
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
@@ -263,7 +302,7 @@ def _consume(
             # stream schedule's next piece reuses it)
             last = (it + tiles - 1) % NUM_BUF
             acc = warpgroup_mma_wait(0, deps=(_output_product(k_lat_all.index(last), p_s, acc,
-                                                              a_l, D, BLOCK_H),))  # fmt: skip
+                                                              a_l, D, BLOCK_H, W),))  # fmt: skip
             mbarrier.arrive(empty.index(last), count=1)
     return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0)
     # (o^T goes out from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion
@@ -281,12 +320,11 @@ def _consumer(
     acc, acc_unit, m, l = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
                                    BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
-    )
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
     _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D), BLOCK_H, mma,
-                   mma)  # fmt: skip
+                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D,
+                                                   _consumer_warps(BLOCK_N)),
+                   BLOCK_H, mma, mma)  # fmt: skip
 
 
 @gluon.jit
@@ -307,13 +345,13 @@ def _q_buffers(BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
 @gluon.jit
 def _store_q(
     Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D: gl.constexpr,
-    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr,
 ):  # fmt: skip
-    """Writes request ``b``'s query heads (4 warps) into ``_q_buffers`` in e4m3, each head over
-    its own unit (its largest entry at 448), as two parts, the value and its residual; returns
-    the units."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    """Writes request ``b``'s query heads (``W`` warps) into ``_q_buffers`` in e4m3, each head
+    over its own unit (its largest entry at 448), as two parts, the value and its residual;
+    returns the units."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
+    qr_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
     q_lat, q_rope = _load_q(Q, b, hb, num_heads, stride_qb, stride_qh, D, D_ROPE, BLOCK_H, q_l,
                             qr_l)  # fmt: skip
     q_lat, q_rope = q_lat.to(gl.float32), q_rope.to(gl.float32)
@@ -337,18 +375,19 @@ def _store_q(
 @gluon.jit
 def _q_in_two_parts(
     Q, b, hb, num_heads, stride_qb, stride_qh, D: gl.constexpr, D_ROPE: gl.constexpr,
-    BLOCK_H: gl.constexpr,
+    BLOCK_H: gl.constexpr, W: gl.constexpr = 4,
 ):  # fmt: skip
     """``_store_q`` into new ``_q_buffers``: (the units, the latent parts, the rope parts)."""
     qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
     q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
-                      BLOCK_H)  # fmt: skip
+                      BLOCK_H, W)  # fmt: skip
     return q_unit, qq_lat, qq_rope
 
 
 @gluon.jit
 def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
     """The raw tile slots (latent and rope parts) and p's buffer ``[p_hi; p_lo]``."""
+    NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     k_lat_all = gl.allocate_shared_memory(
         gl.float8e4nv, [NUM_BUF, BLOCK_N, D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
@@ -366,6 +405,7 @@ def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE
 def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
     """``_slots``, each slot's KV scales and the slots' barriers: loaded (its copies landed,
     every producer thread's), empty (the output product done with it)."""
+    NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     k_lat_all, k_rope_all, p_s = _slots(BLOCK_N, BLOCK_H, D, D_ROPE)
     scales_all = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
@@ -409,10 +449,11 @@ def mla_fp8_e4m3_kernel(
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
 ):
-    """Stage 1: the producer warpgroup copies raw tiles, the consumer warpgroup (the kernel's 4
-    warps) reads their V^T and runs both e4m3 products and the softmax. ``ONLY``, for
-    measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
-    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
+    """Stage 1: the producer warpgroup copies raw tiles, the consumer (the kernel's warps: one
+    warpgroup for 64-token tiles, two for 128) reads their V^T and runs both e4m3 products and
+    the softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that
+    side's work alone."""
+    gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "a warpgroup's MMA has M = 64")
     pid = gl.program_id(0)
     split = gl.program_id(1)
     hb = pid % head_blocks
@@ -421,7 +462,7 @@ def mla_fp8_e4m3_kernel(
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
-                                              D_ROPE, BLOCK_H)  # fmt: skip
+                                              D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
 
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
@@ -437,7 +478,7 @@ def mla_fp8_e4m3_kernel(
                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
-        [64],
+        [_producer_registers(BLOCK_N)],
     )  # fmt: skip
 
 
@@ -472,10 +513,8 @@ def _stream_consumer(
     """The run ``[lo, hi)`` piece after piece: each piece's query, its tiles, then its request's
     output where the piece is the whole request, else a partial output in the program's slot
     (``mla_stream``)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
-    )
-    dims = _row_dims(gl.SliceLayout(1, mma), D)
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
+    dims = _row_dims(gl.SliceLayout(1, mma), D, 4)
     t = lo
     it = 0
     while t < hi:
@@ -484,7 +523,7 @@ def _stream_consumer(
         )
         # (the last piece's products, which read q, are done)
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
-                          BLOCK_H)  # fmt: skip
+                          BLOCK_H, 4)  # fmt: skip
         fence_async_shared()
         acc, acc_unit, m, l = _consume(start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                        k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,

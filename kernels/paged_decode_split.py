@@ -104,6 +104,10 @@ MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
 # ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
 # E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
 MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
+# ... with 128-token tiles on two consumer warpgroups (each the scores of 64 tokens and half of
+# o^T's dims), two slots in the ring: half the tiles, so half the per-tile chain of dependent
+# steps (scores, softmax, p's store, the output product) for the same tokens
+MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -993,12 +997,17 @@ def paged_decode(
     sms = num_sms(q.device)
     if cfg.stream and batch > STREAM_MAX_BATCH:  # a caller's stream config, past what it takes
         cfg = replace(cfg, stream=False)
-    if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' one shape
-        if scales is None or (dim, rope_dim, cfg.block_n, cfg.block_h) != (512, 64, 64, 16):
+    if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' shapes
+        tiles = {(64, 4)}
+        if cfg.e4m3 and not (cfg.e4m3_in_place or cfg.stream):
+            tiles.add((128, 8))  # the register kernel on two consumer warpgroups
+        if (scales is None or (dim, rope_dim, cfg.block_h) != (512, 64, 16)
+                or (cfg.block_n, cfg.num_warps) not in tiles):  # fmt: skip
             raise ValueError(
-                "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with 64-token "
-                f"tiles of 16 heads, got {'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, "
-                f"block_n={cfg.block_n}, block_h={cfg.block_h}"
+                "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with tiles of "
+                f"16 heads and (tokens, warps) in {sorted(tiles)}, got "
+                f"{'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
+                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
             )
 
     if out is None:

@@ -53,6 +53,22 @@ def test_gluon_e4m3_kernel_builds_for_hopper_without_spills(
         assert built["spills"] == 0 and "STACK:0" in built["resources"], built
 
 
+@pytest.mark.parametrize(("page_size", "entries_per_page", "balanced"),
+                         [(64, 1, False), (64, 64, True), (16, 1, True)])  # fmt: skip
+def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
+    page_size, entries_per_page, balanced
+):
+    """The register kernel on 128-token tiles (two consumer warpgroups, two tile slots): within
+    shared memory, no spills with either Triton (the consumer has 200-240 registers, not one
+    warpgroup's 255), an e4m3 MMA and no global load in the tile loop."""
+    built = _report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True, "
+                    "False, 0, True)")
+    assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
+    assert built["spills"] == 0 and "STACK:0" in built["resources"], built
+    loop = built["tile_loop"]
+    assert loop.get("QGMMA") and not loop.get("LDG"), built
+
+
 @pytest.mark.parametrize(("entries_per_page", "batch"), [(1, 300), (64, STREAM_MAX_BATCH)])
 def test_gluon_stream_kernel_builds_with_a_spill_free_tile_loop(entries_per_page, batch):
     """The e4m3 kernel on the stream schedule, up to its largest batch (the requests' ends in
