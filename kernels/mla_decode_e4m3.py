@@ -14,8 +14,9 @@ to fp16 and whose consumer read that tile from shared memory at N = 16 for each 
   output product's K is the tokens, so V^T is the MMA's A operand in registers: each thread
   reads 16 bytes (dims) of a token at a time from the raw tile and permutes bytes within its
   registers into 4 tokens of one dim each (``_v_chunk``); the accumulator's rows stand for the
-  dims in the order that makes this possible, and the store puts each row at its dim. Nothing
-  hands a tile back to the producer but the end of its output product.
+  dims in the order that makes this possible, and the store puts each row at its dim. A slot
+  goes back to the producer once its V^T is in registers (the output product's MMAs read
+  only those and p).
 - A tile's output product is started before the next tile's scores, so the slot goes back and
   the A registers are free while the scores run; the softmax follows.
 
@@ -72,8 +73,16 @@ def _consumer_warps(BLOCK_N):
 
 @constexpr_function
 def _producer_registers(BLOCK_N):
-    """The producer only issues copies; a 128-token tile's addresses need more registers."""
-    return 64 if BLOCK_N == 64 else 96
+    """The producer issues copies; for 128-token tiles it also holds half a tile (36 KB, 72
+    registers a thread) while its slot is in use."""
+    return 64 if BLOCK_N == 64 else 128
+
+
+@constexpr_function
+def _loaded_arrivals(BLOCK_N):
+    """Arrivals that mark a slot loaded: each producer thread's copies, and for 128-token tiles
+    its stores of the half it held in registers too."""
+    return 128 * (1 if BLOCK_N == 64 else 2)  # PRODUCER_THREADS each
 
 
 @gluon.jit
@@ -105,6 +114,22 @@ def _copy_tile(
                   ENTRIES_PER_PAGE, BLOCK_N, lat_l)  # fmt: skip
     _copy_columns(KV, indices, row, n0, end, stride_kv_slot, k_rope, D, D_ROPE, PAGE_SIZE,
                   ENTRIES_PER_PAGE, BLOCK_N, rope_l)  # fmt: skip
+
+
+@gluon.jit
+def _load_rows(
+    KV, indices, row, n0, end, stride_kv_slot, first: gl.constexpr, width: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, ROWS: gl.constexpr,
+    layout: gl.constexpr,
+):  # fmt: skip
+    """Columns ``first .. first + width`` of tokens ``n0 .. n0 + ROWS``' raw rows, loaded into
+    registers (zeros past ``end``)."""
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, ROWS)
+    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, ROWS)
+    cols = first + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    return gl.load(KV + slot[:, None] * stride_kv_slot + cols[None, :], mask=mask[:, None],
+                   other=0.0)  # fmt: skip
 
 
 @gluon.jit
@@ -194,18 +219,42 @@ def _produce(
     """Copies each raw tile of tokens ``[start, end)`` and its KV scales into the next free
     slot, the first into the ring's ``it``-th; returns the ring position after them."""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
+    # 128-token tiles have two slots, one tile in flight: their first half is loaded into
+    # registers before the slot is free, so that half a tile more is in flight
+    STAGED: gl.constexpr = BLOCK_N == 128
+    HALF: gl.constexpr = BLOCK_N // 2
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(tiles):
         buf = (it + i) % NUM_BUF
+        n0 = start + i * BLOCK_N
+        if STAGED and ONLY != CONSUMER_ONLY:
+            lat = _load_rows(KV, indices, row, n0, end, stride_kv_slot, 0, D, PAGE_SIZE,
+                             ENTRIES_PER_PAGE, HALF, lat_l)  # fmt: skip
+            rope = _load_rows(KV, indices, row, n0, end, stride_kv_slot, D, D_ROPE, PAGE_SIZE,
+                              ENTRIES_PER_PAGE, HALF, rope_l)  # fmt: skip
         mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)  # its last tile done
         if ONLY == CONSUMER_ONLY:  # hands the slot over as it is
-            mbarrier.arrive(loaded.index(buf), count=PRODUCER_THREADS)
+            mbarrier.arrive(loaded.index(buf), count=_loaded_arrivals(BLOCK_N))
+        elif STAGED:
+            _copy_tile(KV, indices, row, n0 + HALF, end, stride_kv_slot,
+                       k_lat_all.index(buf).slice(HALF, HALF, dim=0),
+                       k_rope_all.index(buf).slice(HALF, HALF, dim=0), PAGE_SIZE,
+                       ENTRIES_PER_PAGE, HALF, D, D_ROPE)  # fmt: skip
+            _copy_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, scales_all.index(buf),
+                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+            async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
+            k_lat_all.index(buf).slice(0, HALF, dim=0).store(lat)
+            k_rope_all.index(buf).slice(0, HALF, dim=0).store(rope)
+            fence_async_shared()  # the stores, before the MMAs read them
+            mbarrier.arrive(loaded.index(buf), count=1)
         else:
-            _copy_tile(KV, indices, row, start + i * BLOCK_N, end, stride_kv_slot,
-                       k_lat_all.index(buf), k_rope_all.index(buf), PAGE_SIZE,
-                       ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE)  # fmt: skip
-            _copy_scales(KV_SCALE, indices, row, start + i * BLOCK_N, end, stride_s_slot,
-                         scales_all.index(buf), PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+            _copy_tile(KV, indices, row, n0, end, stride_kv_slot, k_lat_all.index(buf),
+                       k_rope_all.index(buf), PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
+                       D_ROPE)  # fmt: skip
+            _copy_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, scales_all.index(buf),
+                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
     return it + tiles
 
@@ -260,6 +309,8 @@ def _consume(
             prev = (it + i + NUM_BUF - 1) % NUM_BUF
             if i > 0:  # the previous tile's output product first: its slot goes back sooner
                 pv = _output_product(k_lat_all.index(prev), p_s, acc, a_l, D, BLOCK_H, W)
+                # its MMAs read V^T from registers (loaded above) and p: the slot goes back now
+                mbarrier.arrive(empty.index(prev), count=1)
             else:
                 pv = warpgroup_mma_init(acc)
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
@@ -272,10 +323,9 @@ def _consume(
             # 0 past the end (a masked copy leaves the slot's old scales there), so that the
             # tile's largest scale, which p is relative to, is a real token's
             scale = gl.where(mask, scales_all.index(buf).load(tok_l), 0.0)
-            # the output product done (MMA groups retire in order): its slot, p's buffer and
-            # the A registers are free while the scores run
+            # the output product done (MMA groups retire in order): p's buffer and the A
+            # registers are free while the scores run
             acc = warpgroup_mma_wait(2, deps=(pv,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
             s = warpgroup_mma_wait(0, deps=(scores,))
             s = _halves_sum(s, mma) * q_unit[None, :]
             s = s * (scale * sm_scale_log2e)[:, None]
@@ -298,12 +348,12 @@ def _consume(
             fence_async_shared()
             m = m_new
             n0 += BLOCK_N
-        if tiles > 0:  # the last tile's output product, then its slot goes back (the
-            # stream schedule's next piece reuses it)
+        if tiles > 0:  # the last tile's output product; its slot goes back (the stream
+            # schedule's next piece reuses it)
             last = (it + tiles - 1) % NUM_BUF
-            acc = warpgroup_mma_wait(0, deps=(_output_product(k_lat_all.index(last), p_s, acc,
-                                                              a_l, D, BLOCK_H, W),))  # fmt: skip
+            pv = _output_product(k_lat_all.index(last), p_s, acc, a_l, D, BLOCK_H, W)
             mbarrier.arrive(empty.index(last), count=1)
+            acc = warpgroup_mma_wait(0, deps=(pv,))
     return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0)
     # (o^T goes out from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion
     # would need 16 KB of scratch, which shared memory does not have)
@@ -412,7 +462,7 @@ def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE:
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
-        mbarrier.init(loaded.index(i), count=PRODUCER_THREADS)
+        mbarrier.init(loaded.index(i), count=_loaded_arrivals(BLOCK_N))
         mbarrier.init(empty.index(i), count=1)
     return k_lat_all, k_rope_all, scales_all, p_s, loaded, empty
 
