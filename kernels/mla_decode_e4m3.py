@@ -80,9 +80,9 @@ def _producer_registers(BLOCK_N):
 
 @constexpr_function
 def _loaded_arrivals(BLOCK_N):
-    """Arrivals that mark a slot loaded: each producer thread's copies, and for 128-token tiles
-    its stores of the half it held in registers too."""
-    return 128 * (1 if BLOCK_N == 64 else 2)  # PRODUCER_THREADS each
+    """Arrivals that mark a slot loaded: each producer thread's copies (PRODUCER_THREADS), and
+    for 128-token tiles one more once all have stored the half they held in registers."""
+    return 128 + (BLOCK_N == 128)
 
 
 @gluon.jit
@@ -248,6 +248,7 @@ def _produce(
             k_lat_all.index(buf).slice(0, HALF, dim=0).store(lat)
             k_rope_all.index(buf).slice(0, HALF, dim=0).store(rope)
             fence_async_shared()  # the stores, before the MMAs read them
+            gl.thread_barrier()  # every producer thread's (the arrival below is one thread's)
             mbarrier.arrive(loaded.index(buf), count=1)
         else:
             _copy_tile(KV, indices, row, n0, end, stride_kv_slot, k_lat_all.index(buf),
