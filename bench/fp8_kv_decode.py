@@ -53,7 +53,6 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_E4M3_STREAM,
-    MLA_FP8_E4M3_STREAM_128,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -448,7 +447,6 @@ MLA_PEER_VARIANTS = {
     "e4m3_128": ("fp8", MLA_FP8_E4M3_128),
     "e4m3_128_producer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=1)),
     "e4m3_128_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=2)),
-    "e4m3_stream_128": ("fp8", MLA_FP8_E4M3_STREAM_128),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),

@@ -564,18 +564,17 @@ def _stream_consumer(
     """The run ``[lo, hi)`` piece after piece: each piece's query, its tiles, then its request's
     output where the piece is the whole request, else a partial output in the program's slot
     (``mla_stream``)."""
-    W: gl.constexpr = _consumer_warps(BLOCK_N)
     mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
-    dims = _row_dims(gl.SliceLayout(1, mma), D, W)
+    dims = _row_dims(gl.SliceLayout(1, mma), D, 4)
     t = lo
     it = 0
     while t < hi:
         b, row, start, end, first, last = stream_piece(
-            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, W
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
         )
         # (the last piece's products, which read q, are done)
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
-                          BLOCK_H, W)  # fmt: skip
+                          BLOCK_H, 4)  # fmt: skip
         fence_async_shared()
         acc, acc_unit, m, l = _consume(start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                        k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
@@ -627,11 +626,10 @@ def mla_fp8_e4m3_stream_kernel(
     """``mla_fp8_e4m3_kernel`` on the stream schedule (``mla_stream``): program ``(p, hb)``
     runs head block ``hb`` over run ``p`` of the batch's tiles; partial outputs go to
     ``part_out[p, heads, slot]`` (``[programs, num_heads, 2, D]``) and ``part_lse``."""
-    gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "a warpgroup's MMA has M = 64")
+    gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     program = gl.program_id(0)
     hb = gl.program_id(1)
-    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2,
-                                _consumer_warps(BLOCK_N))
+    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2)
     lo, hi = stream_run(total, gl.num_programs(0), program)
     qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
@@ -651,5 +649,5 @@ def mla_fp8_e4m3_stream_kernel(
                                 LENS_ARE_ENDS, BLOCK_N, BATCH_P2, D, D_ROPE, ONLY)),
         ],
         [4],
-        [_producer_registers(BLOCK_N)],
+        [64],
     )  # fmt: skip

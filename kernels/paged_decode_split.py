@@ -136,8 +136,6 @@ STREAM_MAX_BATCH = 4096
 # 1.02x (8) at 16; on equal lengths from 98,304 tokens 0.77-0.97x. Two waves: 0.75-0.91x of one
 # (fp8_kv_flashmla_stream_quick.json).
 MLA_FP8_E4M3_STREAM = replace(MLA_FP8_E4M3, stream=True, balanced_waves=1)
-# ... on 128-token tiles (MLA_FP8_E4M3_128)
-MLA_FP8_E4M3_STREAM_128 = replace(MLA_FP8_E4M3_STREAM, block_n=128, num_warps=8)
 # lengths are uneven where their total is at most this share of batch x the longest (the mixes:
 # 0.47)
 UNEVEN_SHARE = 0.75
@@ -1001,7 +999,7 @@ def paged_decode(
         cfg = replace(cfg, stream=False)
     if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' shapes
         tiles = {(64, 4)}
-        if cfg.e4m3 and not cfg.e4m3_in_place:
+        if cfg.e4m3 and not (cfg.e4m3_in_place or cfg.stream):
             tiles.add((128, 8))  # the register kernel on two consumer warpgroups
         if (scales is None or (dim, rope_dim, cfg.block_h) != (512, 64, 16)
                 or (cfg.block_n, cfg.num_warps) not in tiles):  # fmt: skip

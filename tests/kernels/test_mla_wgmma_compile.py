@@ -69,16 +69,6 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
     assert loop.get("QGMMA") and not loop.get("LDG"), built
 
 
-def test_gluon_stream_kernel_on_128_token_tiles_builds_without_spills():
-    """The same on the stream schedule at its largest batch: unlike the 64-token one, nothing
-    spills, not even setting up a piece (its consumer has two warpgroups' registers)."""
-    built = _report(f"gluon_report(False, 64, 64, 16, True, True, False, {STREAM_MAX_BATCH}, True)")
-    assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
-    assert built["spills"] == 0 and "STACK:0" in built["resources"], built
-    loop = built["tile_loop"]
-    assert loop.get("QGMMA") and not loop.get("LDG"), built
-
-
 @pytest.mark.parametrize(("entries_per_page", "batch"), [(1, 300), (64, STREAM_MAX_BATCH)])
 def test_gluon_stream_kernel_builds_with_a_spill_free_tile_loop(entries_per_page, batch):
     """The e4m3 kernel on the stream schedule, up to its largest batch (the requests' ends in
