@@ -42,7 +42,6 @@ from triton.runtime.jit import constexpr_function
 from .mla_decode_wgmma import (
     CONSUMER_ONLY,
     PRODUCER_ONLY,
-    _as_words,
     _load_q,
     _max_pair,
     _split_range,
@@ -75,14 +74,14 @@ def _consumer_warps(BLOCK_N):
 @constexpr_function
 def _producer_registers(BLOCK_N):
     """The producer issues copies; for 128-token tiles it also holds half a tile (36 KB, 72
-    registers a thread) until its slot is free (``_produce_staged``)."""
+    registers a thread) while its slot is in use."""
     return 64 if BLOCK_N == 64 else 128
 
 
 @constexpr_function
 def _loaded_arrivals(BLOCK_N):
     """Arrivals that mark a slot loaded: each producer thread's copies (PRODUCER_THREADS), and
-    for 128-token tiles one more once all have stored the tile's staged halves."""
+    for 128-token tiles one more once all have stored the half they held in registers."""
     return 128 + (BLOCK_N == 128)
 
 
@@ -118,21 +117,19 @@ def _copy_tile(
 
 
 @gluon.jit
-def _load_words(
+def _load_rows(
     KV, indices, row, n0, end, stride_kv_slot, first: gl.constexpr, width: gl.constexpr,
     PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, ROWS: gl.constexpr,
     layout: gl.constexpr,
 ):  # fmt: skip
-    """Bytes ``first .. first + width`` of tokens ``n0 .. n0 + ROWS``' raw rows, loaded into
-    registers as 32-bit words (``[ROWS, width / 4]``, zeros past ``end``): words, not e4m3
-    values, so that a loop can carry them (it would carry each byte alone)."""
+    """Columns ``first .. first + width`` of tokens ``n0 .. n0 + ROWS``' raw rows, loaded into
+    registers (zeros past ``end``)."""
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, ROWS)
     slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, ROWS)
-    words = KV.to(gl.pointer_type(gl.int32), bitcast=True)
-    cols = first // 4 + gl.arange(0, width // 4, layout=gl.SliceLayout(0, layout))
-    return gl.load(words + slot[:, None] * (stride_kv_slot // 4) + cols[None, :],
-                   mask=mask[:, None], other=0)  # fmt: skip
+    cols = first + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    return gl.load(KV + slot[:, None] * stride_kv_slot + cols[None, :], mask=mask[:, None],
+                   other=0.0)  # fmt: skip
 
 
 @gluon.jit
@@ -215,98 +212,51 @@ def _mma_layout(BLOCK_N, N, K):
 @gluon.jit
 def _produce(
     KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot, stride_s_slot, k_lat_all,
-    k_rope_all, scales_all, stage_lat, stage_rope, loaded, empty, PAGE_SIZE: gl.constexpr,
+    k_rope_all, scales_all, loaded, empty, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
     D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Copies each raw tile of tokens ``[start, end)`` and its KV scales into the next free
-    slot, the first into the ring's ``it``-th; returns the ring position after them. 128-token
-    tiles go through ``_produce_staged`` (``stage_lat`` / ``stage_rope``, unused here)."""
-    if BLOCK_N == 128:
-        return _produce_staged(KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot,
-                               stride_s_slot, k_lat_all, k_rope_all, scales_all, stage_lat,
-                               stage_rope, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N,
-                               D, D_ROPE, ONLY)  # fmt: skip
+    slot, the first into the ring's ``it``-th; returns the ring position after them."""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
+    # 128-token tiles have two slots, one tile in flight: their first half is loaded into
+    # registers before the slot is free, so that half a tile more is in flight
+    STAGED: gl.constexpr = BLOCK_N == 128
+    HALF: gl.constexpr = BLOCK_N // 2
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(tiles):
         buf = (it + i) % NUM_BUF
+        n0 = start + i * BLOCK_N
+        if STAGED and ONLY != CONSUMER_ONLY:
+            lat = _load_rows(KV, indices, row, n0, end, stride_kv_slot, 0, D, PAGE_SIZE,
+                             ENTRIES_PER_PAGE, HALF, lat_l)  # fmt: skip
+            rope = _load_rows(KV, indices, row, n0, end, stride_kv_slot, D, D_ROPE, PAGE_SIZE,
+                              ENTRIES_PER_PAGE, HALF, rope_l)  # fmt: skip
         mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)  # its last tile done
         if ONLY == CONSUMER_ONLY:  # hands the slot over as it is
             mbarrier.arrive(loaded.index(buf), count=_loaded_arrivals(BLOCK_N))
+        elif STAGED:
+            _copy_tile(KV, indices, row, n0 + HALF, end, stride_kv_slot,
+                       k_lat_all.index(buf).slice(HALF, HALF, dim=0),
+                       k_rope_all.index(buf).slice(HALF, HALF, dim=0), PAGE_SIZE,
+                       ENTRIES_PER_PAGE, HALF, D, D_ROPE)  # fmt: skip
+            _copy_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, scales_all.index(buf),
+                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+            async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
+            k_lat_all.index(buf).slice(0, HALF, dim=0).store(lat)
+            k_rope_all.index(buf).slice(0, HALF, dim=0).store(rope)
+            fence_async_shared()  # the stores, before the MMAs read them
+            gl.thread_barrier()  # every producer thread's (the arrival below is one thread's)
+            mbarrier.arrive(loaded.index(buf), count=1)
         else:
-            n0 = start + i * BLOCK_N
             _copy_tile(KV, indices, row, n0, end, stride_kv_slot, k_lat_all.index(buf),
                        k_rope_all.index(buf), PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
                        D_ROPE)  # fmt: skip
             _copy_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, scales_all.index(buf),
                          PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
-    return it + tiles
-
-
-@gluon.jit
-def _produce_staged(
-    KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot, stride_s_slot, k_lat_all,
-    k_rope_all, scales_all, stage_lat, stage_rope, loaded, empty, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    D_ROPE: gl.constexpr, ONLY: gl.constexpr,
-):  # fmt: skip
-    """``_produce`` for 128-token tiles, whose ring has two slots: one the consumer's scores
-    read, one its output product has just let go. So each tile is loaded before its slot is
-    free, its first half into registers and its second into ``stage_lat`` / ``stage_rope``, and
-    moved into the slot once it is: a whole tile more in flight. (Moved as 32-bit words: the
-    same bytes, the slots' swizzle.)"""
-    NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
-    HALF: gl.constexpr = BLOCK_N // 2
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])  # 16 B a thread
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    lat_words = _as_words(k_lat_all, [NUM_BUF, BLOCK_N, D // 4], 128)
-    rope_words = _as_words(k_rope_all, [NUM_BUF, BLOCK_N, D_ROPE // 4], 64)
-    stage_lat_words = _as_words(stage_lat, [HALF, D // 4], 128)
-    stage_rope_words = _as_words(stage_rope, [HALF, D_ROPE // 4], 64)
-    tiles = gl.cdiv(end - start, BLOCK_N)
-    if ONLY == CONSUMER_ONLY:  # hands the slots over as they are
-        for i in range(tiles):
-            buf = (it + i) % NUM_BUF
-            mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)
-            mbarrier.arrive(loaded.index(buf), count=_loaded_arrivals(BLOCK_N))
-    else:
-        # the first tile's halves (past ``end``, as for the tile after the last, nothing is
-        # read: the loads and copies are masked off)
-        lat = _load_words(KV, indices, row, start, end, stride_kv_slot, 0, D, PAGE_SIZE,
-                          ENTRIES_PER_PAGE, HALF, lat_l)  # fmt: skip
-        rope = _load_words(KV, indices, row, start, end, stride_kv_slot, D, D_ROPE, PAGE_SIZE,
-                           ENTRIES_PER_PAGE, HALF, rope_l)  # fmt: skip
-        _copy_tile(KV, indices, row, start + HALF, end, stride_kv_slot, stage_lat, stage_rope,
-                   PAGE_SIZE, ENTRIES_PER_PAGE, HALF, D, D_ROPE)  # fmt: skip
-        async_copy.commit_group()
-        for i in range(tiles):
-            buf = (it + i) % NUM_BUF
-            n0 = start + i * BLOCK_N
-            slot_lat = lat_words.index(buf)
-            slot_rope = rope_words.index(buf)
-            mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)  # its last tile done
-            slot_lat.slice(0, HALF, dim=0).store(lat)
-            slot_rope.slice(0, HALF, dim=0).store(rope)
-            async_copy.wait_group(0)
-            gl.thread_barrier()  # every thread's copies into the stage landed
-            slot_lat.slice(HALF, HALF, dim=0).store(stage_lat_words.load(lat_l))
-            slot_rope.slice(HALF, HALF, dim=0).store(stage_rope_words.load(rope_l))
-            _copy_scales(KV_SCALE, indices, row, n0, end, stride_s_slot, scales_all.index(buf),
-                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            async_copy.mbarrier_arrive(loaded.index(buf), increment_count=False)
-            fence_async_shared()  # the stores, before the MMAs read them
-            gl.thread_barrier()  # every thread's stores done and the stage read
-            mbarrier.arrive(loaded.index(buf), count=1)  # (one thread's arrival)
-            lat = _load_words(KV, indices, row, n0 + BLOCK_N, end, stride_kv_slot, 0, D,
-                              PAGE_SIZE, ENTRIES_PER_PAGE, HALF, lat_l)  # fmt: skip
-            rope = _load_words(KV, indices, row, n0 + BLOCK_N, end, stride_kv_slot, D, D_ROPE,
-                               PAGE_SIZE, ENTRIES_PER_PAGE, HALF, rope_l)  # fmt: skip
-            _copy_tile(KV, indices, row, n0 + BLOCK_N + HALF, end, stride_kv_slot, stage_lat,
-                       stage_rope, PAGE_SIZE, ENTRIES_PER_PAGE, HALF, D, D_ROPE)  # fmt: skip
-            async_copy.commit_group()
-        async_copy.wait_group(0)  # (the copies past the end: nothing, but none left pending)
     return it + tiles
 
 
@@ -566,16 +516,6 @@ def mla_fp8_e4m3_kernel(
                                               D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
 
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
-    stage_lat, stage_rope = k_lat_all, k_rope_all  # (unused with 64-token tiles)
-    if BLOCK_N == 128:  # half a tile, for _produce_staged
-        stage_lat = gl.allocate_shared_memory(
-            gl.float8e4nv, [BLOCK_N // 2, D],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv),
-        )  # fmt: skip
-        stage_rope = gl.allocate_shared_memory(
-            gl.float8e4nv, [BLOCK_N // 2, D_ROPE],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.float8e4nv),
-        )  # fmt: skip
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
@@ -585,9 +525,8 @@ def mla_fp8_e4m3_kernel(
                          split, hb, num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H,
                          BLOCK_N, ONLY)),
             (_produce, (KV, KV_SCALE, indices, row, start, end, 0, stride_kv_slot,
-                        stride_s_slot, k_lat_all, k_rope_all, scales_all, stage_lat,
-                        stage_rope, loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D,
-                        D_ROPE, ONLY)),
+                        stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
+                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
         [_producer_registers(BLOCK_N)],
@@ -609,9 +548,8 @@ def _stream_producer(
             ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
         )
         it = _produce(KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot,
-                      stride_s_slot, k_lat_all, k_rope_all, scales_all, k_lat_all, k_rope_all,
-                      loaded, empty, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE,
-                      ONLY)  # fmt: skip
+                      stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
+                      PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)  # fmt: skip
         t = gl.minimum(last, hi)
 
 
