@@ -510,8 +510,9 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
     return unique
 
 
-def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=()) -> None:
-    for heads, batch, ctx, mix, named in mla_peer_grid(quick):
+def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=(), shapes=()) -> None:
+    grid = [(*shape, None, True) for shape in shapes] or mla_peer_grid(quick)
+    for heads, batch, ctx, mix, named in grid:
         if heads < min_heads:
             continue
         lens = [mix[i % len(mix)] for i in range(batch)] if mix else None
@@ -688,6 +689,9 @@ def main() -> None:
                     help="--mla-peers: only the shapes of at least this many heads")  # fmt: skip
     ap.add_argument("--only", default="",
                     help="--mla-peers: only these variants (comma-separated) beside the defaults")
+    ap.add_argument("--shapes", default="",
+                    help="--mla-peers: these HEADSxBATCHxCONTEXT shapes (comma-separated, equal "
+                         "lengths) instead of the grid")  # fmt: skip
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -723,6 +727,8 @@ def main() -> None:
     name = "fp8_kv_flashmla" if args.mla_peers else "fp8_kv_decode"
     if args.mla_peers and args.min_heads:
         name += f"_from{args.min_heads}heads"
+    if args.mla_peers and args.shapes:
+        name += "_shapes"
     out_file = args.out / (f"{name}_quick.json" if args.quick else f"{name}.json")
 
     def add(row, line):  # saved after every row: a run cut short keeps what it measured
@@ -732,7 +738,8 @@ def main() -> None:
 
     if args.mla_peers:
         only = tuple(filter(None, args.only.split(",")))
-        mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads, only)
+        shapes = [tuple(map(int, s.split("x"))) for s in filter(None, args.shapes.split(","))]
+        mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads, only, shapes)
         print("\n".join(_peer_line(r) for r in rows))
         return
     mla_grid = [(64, 8192, 16), (64, 4096, 64)]
@@ -788,6 +795,8 @@ def _command_line(args) -> str:
         words += ["--min-heads", str(args.min_heads)]
     if args.only:
         words += ["--only", args.only]
+    if args.shapes:
+        words += ["--shapes", args.shapes]
     if args.sglang_kernel:
         path = args.sglang_kernel.resolve()
         shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name
