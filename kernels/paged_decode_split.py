@@ -97,16 +97,17 @@ MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True
 # kernel flat at 1.7e-3; a variant with two accumulators, each taking every other tile, halved
 # it). So no split gets more: 0.95-0.98x the uncapped speed where it splits more.
 E4M3_MAX_SPLIT_TOKENS = 8192
-# The same plan with both products in e4m3 (mla_decode_e4m3.py): the FP8 default from
-# E4M3_MIN_TOKENS.
+# The same plan with both products in e4m3 (mla_decode_e4m3.py); on 128-token tiles
+# (MLA_FP8_E4M3_128) the FP8 default from E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
                             balanced_waves=2, max_split_tokens=E4M3_MAX_SPLIT_TOKENS)  # fmt: skip
 # ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
 # E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
 MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
-# ... with 128-token tiles on two consumer warpgroups (each the scores of 64 tokens and half of
+# ... on 128-token tiles over two consumer warpgroups (each the scores of 64 tokens and half of
 # o^T's dims), two slots in the ring: half the tiles, so half the per-tile chain of dependent
-# steps (scores, softmax, p's store, the output product) for the same tokens
+# steps (scores, softmax, p's store, the output product) for the same tokens. Its consumer
+# alone is 1.2x the 64-token one's; with the producer, 1.02-1.05x (E4M3_MIN_TOKENS)
 MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
@@ -117,14 +118,17 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
 # request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
 WGMMA_MIN_TOKENS = 4096
-# From this many tokens the e4m3 kernel with V^T in registers is the fastest: 1.09x the
-# in-place one at 393,216 tokens (96 of 4k), 1.05-1.10x at 524k-1M (64 of 8k, 256 of 2k at
-# 8 heads, 64 of 16k, 128 of 8k); the in-place one below that, from 131,072 tokens: 1.03-1.04x
-# the register one at 262,144 (64 of 4k, 32 of 8k), 1.16x at 131,072 (32 of 4k, 64 of 2k),
-# where it is 1.09-1.10x the widening kernel (bench/results/fp8_kv_e4m3_versions_overlap.json:
-# all three timed on the same data in one run). Below 131,072 the widening kernel stays: an
-# earlier in-place version ran 0.88-0.99x of it at 1k-32k tokens (fp8_kv_e4m3_versions.json).
-E4M3_MIN_TOKENS = 393216
+# From this many tokens the e4m3 kernel with V^T in registers on 128-token tiles is the
+# fastest: 1.02-1.05x the 64-token one on every shape of 393k-2M tokens at 8 and 16 heads, and
+# more accurate (fewer tiles summed in the tensor cores: 2.4-3.8e-3 against 2.5-4.3e-3;
+# bench/results/fp8_kv_flashmla_128_shapes.json); 1.08x the in-place one at 196,608 (48 of
+# 4k), a tie at 262,144 (64 of 4k, 32 of 8k: 1.00x) and 1.10x there at 8 heads (128 of 2k);
+# at 131,072 the in-place one stays, 1.10-1.12x it (32 of 4k, 64 of 2k;
+# fp8_kv_flashmla_128_small_shapes.json). The in-place one from 131,072 tokens, where it is
+# 1.09-1.10x the widening kernel (bench/results/fp8_kv_e4m3_versions_overlap.json). Below
+# 131,072 the widening kernel stays: an earlier in-place version ran 0.88-0.99x of it at 1k-32k
+# tokens (fp8_kv_e4m3_versions.json).
+E4M3_MIN_TOKENS = 196608
 E4M3_IN_PLACE_MIN_TOKENS = 131072
 # the most requests the stream schedule takes (their tile ends in 16 KB of shared memory,
 # beside the e4m3 kernel's 200 KB); larger batches take the split plan
@@ -167,10 +171,11 @@ def pick_config(
     and MMA chains, so the context is split into exactly as many programs as the GPU holds at
     once (a partial second wave cost up to 1.3x). 16 heads a program: BF16 has the latent in
     quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs a warp-specialized
-    Gluon kernel (one program per SM, 64-token tiles): from ``E4M3_MIN_TOKENS`` the one with both
-    products in e4m3 (``MLA_FP8_E4M3``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same with V^T
-    written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from ``WGMMA_MIN_TOKENS`` the one that
-    widens each tile to fp16 (``MLA_FP8_WGMMA``); ``MLA_FP8_TRITON`` below that and off Hopper.
+    Gluon kernel (one program per SM): from ``E4M3_MIN_TOKENS`` the one with both products in
+    e4m3 on 128-token tiles (``MLA_FP8_E4M3_128``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same
+    on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from
+    ``WGMMA_MIN_TOKENS`` the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``);
+    ``MLA_FP8_TRITON`` below that and off Hopper.
     (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes the
     e4m3 kernel on the stream schedule instead of these: ``prefers_stream``.)
     64+ heads: 64 heads a program, so each tile is read once instead of by four 16-head
@@ -183,7 +188,7 @@ def pick_config(
             return MLA_HEADS_M
         if fp8:
             if tokens is None or tokens >= E4M3_MIN_TOKENS:
-                return MLA_FP8_E4M3
+                return MLA_FP8_E4M3_128
             if tokens >= E4M3_IN_PLACE_MIN_TOKENS:
                 return MLA_FP8_E4M3_IN_PLACE
             return MLA_FP8_WGMMA if tokens >= WGMMA_MIN_TOKENS else MLA_FP8_TRITON

@@ -30,6 +30,7 @@ from tessera.kernels.paged_decode_split import (
     E4M3_MAX_SPLIT_TOKENS,
     E4M3_MIN_TOKENS,
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
@@ -308,7 +309,7 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     bf16, fp8 = pick_config(512, 16, mla=True), pick_config(512, 16, mla=True, fp8=True)
     assert bf16.latent_quarters and fp8.latent_quarters
     assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
-    assert fp8 == MLA_FP8_E4M3  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
+    assert fp8 == MLA_FP8_E4M3_128  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
     # too few tiles for one program an SM: the Triton kernel
     assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
@@ -318,7 +319,7 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert pick_config(512, 16, mla=True, fp8=True, tokens=tokens_in_place) == MLA_FP8_E4M3_IN_PLACE
     in_place = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1)
     assert in_place == MLA_FP8_E4M3_IN_PLACE
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3_128
     # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
     # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
     for heads, fp8, tokens in ((64, False, 1024), (128, True, 64 * 4096), (64, True, None)):
