@@ -53,6 +53,8 @@ from .mla_stream import store_output, stream_ends, stream_piece, stream_run
 
 # Triton 3.9 renamed async_copy_global_to_shared (3.6, the GPU image's) to async_load
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# ... and thread_barrier to barrier
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 NUM_BUF = gl.constexpr(5)  # tile slots of 64 tokens, 36 KB each
 PRODUCER_THREADS = gl.constexpr(128)
 
@@ -248,7 +250,7 @@ def _produce(
             k_lat_all.index(buf).slice(0, HALF, dim=0).store(lat)
             k_rope_all.index(buf).slice(0, HALF, dim=0).store(rope)
             fence_async_shared()  # the stores, before the MMAs read them
-            gl.thread_barrier()  # every producer thread's (the arrival below is one thread's)
+            _barrier()  # every producer thread's (the arrival below is one thread's)
             mbarrier.arrive(loaded.index(buf), count=1)
         else:
             _copy_tile(KV, indices, row, n0, end, stride_kv_slot, k_lat_all.index(buf),
