@@ -421,14 +421,15 @@ MLA_PEER_VARIANTS = {
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the four FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
+    # the FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
     # E4M3_IN_PLACE_MIN_TOKENS, E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also
     # what runs off Hopper), the Gluon one that widens each tile to fp16, and the Gluon ones
     # with both products in e4m3 (q and p in two e4m3 parts; V^T an MMA operand in registers,
-    # or written over each tile's latent part by the producer)
+    # on 64- or 128-token tiles, or written over each tile's latent part by the producer)
     "triton": ("fp8", MLA_FP8_TRITON),
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
+    "e4m3_128": ("fp8", MLA_FP8_E4M3_128),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
     # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
     # run of the batch's tiles across requests
@@ -443,8 +444,7 @@ MLA_PEER_VARIANTS = {
     # the mixes, 0.82-0.99x, tied on equal lengths: fp8_kv_flashmla_one_wave_quick.json)
     "e4m3_producer_only": ("fp8", replace(MLA_FP8_E4M3, only=1)),
     "e4m3_consumer_only": ("fp8", replace(MLA_FP8_E4M3, only=2)),
-    # the register one on 128-token tiles, two consumer warpgroups (half the tiles' chains)
-    "e4m3_128": ("fp8", MLA_FP8_E4M3_128),
+    # the register one on 128-token tiles, each side alone
     "e4m3_128_producer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=1)),
     "e4m3_128_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
@@ -522,7 +522,8 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=(), shape
         if not named:  # everywhere: the kernels the defaults choose between or replaced (both
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
-            keep = ("triton", "wgmma", "e4m3", "e4m3_in_place", "e4m3_stream", "triton64")
+            keep = ("triton", "wgmma", "e4m3", "e4m3_128", "e4m3_in_place", "e4m3_stream",
+                    "triton64")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

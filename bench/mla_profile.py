@@ -1,6 +1,6 @@
 """One MLA decode shape for the profiler: ours BF16 and FP8 (the default configs; up to 16 heads
 also FP8 in the Triton kernel that runs off Hopper, each side of the widening Gluon FP8 kernel
-alone, and the e4m3 one whole and by side,
+alone, the e4m3 one on 64-token tiles whole and by side, and on 128-token tiles by side,
 from 64 heads both dtypes in the Triton 64-heads kernel that runs off Hopper) and FlashMLA's
 BF16 and FP8 kernels, each launched twice on the same pages (the first launch compiles and
 warms up).
@@ -23,6 +23,7 @@ from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
+    MLA_FP8_E4M3_128,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_TRITON,
@@ -30,13 +31,16 @@ from tessera.kernels.paged_decode_split import (
 from tessera.kernels.paged_kv import FP8_DTYPE
 
 # the Gluon kernels' sides alone (the other only hands buffers over): which side bounds them;
-# the widening kernel's, and the e4m3 one (the long-context default) whole and by side
+# the widening kernel's, the e4m3 one on 64-token tiles whole and by side, and on 128-token
+# tiles (the long-context default, ``ours_fp8``) by side
 GLUON_VARIANTS = {
     "producer_only": replace(MLA_FP8_WGMMA, only=1),
     "consumer_only": replace(MLA_FP8_WGMMA, only=2),
     "e4m3": MLA_FP8_E4M3,
     "e4m3_producer_only": replace(MLA_FP8_E4M3, only=1),
     "e4m3_consumer_only": replace(MLA_FP8_E4M3, only=2),
+    "e4m3_128_producer_only": replace(MLA_FP8_E4M3_128, only=1),
+    "e4m3_128_consumer_only": replace(MLA_FP8_E4M3_128, only=2),
 }
 
 
