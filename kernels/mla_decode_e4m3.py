@@ -20,6 +20,12 @@ to fp16 and whose consumer read that tile from shared memory at N = 16 for each 
 - A tile's output product is started before the next tile's scores, so the slot goes back and
   the A registers are free while the scores run; the softmax follows.
 
+With 128-token tiles (``BLOCK_N = 128``, the default for large batches) the consumer is two
+warpgroups: each runs the scores of its 64 tokens and the output product of half of o^T's dims
+over all 128, so a tile's chain of dependent steps carries twice the tokens. The ring then has
+two slots of 72 KB, and the producer loads each tile's first half into registers before its
+slot is free (``_produce``).
+
 The scales go where the widened kernel puts them: the per-token KV scale to the fp32 scores and
 to the probabilities (relative to the tile's largest, lifted by 2^8 so small weights stay
 normal in e4m3), q's per-head unit (its largest entry at 448) to the scores.
