@@ -63,7 +63,7 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
     producer holding half a tile in registers): within shared memory, an e4m3 MMA and no global
     load in the tile loop; no spills with the GPU image's Triton 3.6 (3.9: 8 bytes of stack).
     With each slot back before the softmax (``early_v``: V^T held through it, 216 registers
-    a consumer thread) the tile loop is spill-free with 3.6; a few spills set it up."""
+    a consumer thread) the tile loop is spill-free with 3.6; the producer spills two words."""
     built = _report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True, "
                     f"False, 0, True, {early_v})")
     assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
