@@ -112,8 +112,8 @@ def gluon_report(
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
         if wide_tiles:
             num_warps, constexprs["BLOCK_N"] = 8, 128
-        if early_v:
-            constexprs["EARLY_V"] = True
+        if fn is mla_fp8_e4m3_kernel and not stream_batch:  # (3.9 wants every constexpr given)
+            constexprs["EARLY_V"] = early_v
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if stream_batch:
         fn = mla_fp8_e4m3_stream_kernel
