@@ -202,10 +202,17 @@ def _output_product(
     memory, [2 BLOCK_H, tokens]): MMA groups of 32 tokens and one part of p each, all into
     one accumulator (the parts side by side in one MMA would double its registers)."""
     for c in gl.static_range(p_s.shape[1] // 32):
-        v = _v_chunk(lat, c, a_l, D, W)
-        for part in gl.static_range(2):
-            p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * c, 32, dim=1)
-            acc = warpgroup_mma(v, p_t.permute((1, 0)), acc, is_async=True)
+        acc = _chunk_product(_v_chunk(lat, c, a_l, D, W), c, p_s, acc, BLOCK_H)
+    return acc
+
+
+@gluon.jit
+def _chunk_product(v, c: gl.constexpr, p_s, acc, BLOCK_H: gl.constexpr):
+    """Starts ``acc += V^T (p_hi + p_lo)`` over tokens ``32 c .. 32 c + 32`` (``v``: their
+    ``_v_chunk``), one MMA group a part of p."""
+    for part in gl.static_range(2):
+        p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * c, 32, dim=1)
+        acc = warpgroup_mma(v, p_t.permute((1, 0)), acc, is_async=True)
     return acc
 
 
@@ -286,13 +293,11 @@ def _halves_sum(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(
-    s, scale, mask, q_unit, sm_scale_log2e, m, l_rows, acc, acc_unit, p_s,
-    BLOCK_H: gl.constexpr,
-):  # fmt: skip
-    """A tile's online softmax from its scores ``s`` (both parts of q side by side): the
-    rescaled ``acc``, its unit, the running max and row sums; p into ``p_s`` as two e4m3 parts,
-    relative to the tile's largest V scale."""
+def _probabilities(s, scale, mask, q_unit, sm_scale_log2e, m, l_rows, acc_unit):
+    """A tile's online softmax from its e4m3 scores ``s`` (both parts of q side by side, in
+    the MMA layout of ``l_rows``): p relative to the tile's largest V scale, lifted by 2^8 so
+    small weights stay normal in e4m3; the factor that re-bases the output; its new unit, the
+    running max and row sums."""
     mma: gl.constexpr = l_rows.type.layout
     s = _halves_sum(s, mma) * q_unit[None, :]
     s = s * (scale * sm_scale_log2e)[:, None]
@@ -303,17 +308,44 @@ def _softmax(
     alpha = gl.exp2(m - m_new)
     p = gl.exp2(s - m_new[None, :])
     l_rows = l_rows * alpha[None, :] + p
-    # p relative to the tile's largest V scale, lifted by 2^8 (small weights stay normal)
     v_top = gl.maximum(v_top, 1e-30) / 256.0
     p = p * scale[:, None] / v_top[None, :]
     alpha = alpha * (acc_unit / v_top)
+    return p, alpha, v_top, m_new, l_rows
+
+
+@gluon.jit
+def _softmax(
+    s, scale, mask, q_unit, sm_scale_log2e, m, l_rows, acc, acc_unit, p_s,
+    BLOCK_H: gl.constexpr,
+):  # fmt: skip
+    """``_probabilities``, then ``acc`` re-based and p into ``p_s`` as two e4m3 parts: (acc,
+    its unit, the running max, the row sums)."""
+    p, alpha, acc_unit, m, l_rows = _probabilities(s, scale, mask, q_unit, sm_scale_log2e, m,
+                                                  l_rows, acc_unit)  # fmt: skip
     p_hi = p.to(gl.float8e4nv)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout))[None, :]
     p_s.slice(0, BLOCK_H, dim=0).permute((1, 0)).store(p_hi)
     p_s.slice(BLOCK_H, BLOCK_H, dim=0).permute((1, 0)).store(
         (p - p_hi.to(gl.float32)).to(gl.float8e4nv))
     fence_async_shared()
-    return acc, v_top, m_new, l_rows
+    return acc, acc_unit, m, l_rows
+
+
+@gluon.jit
+def _start_scores(
+    k_lat, k_rope, scales, qq_lat, qq_rope, zeros, n0, end, tok_l: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Starts a landed tile's scores ``K @ [q_hi | q_lo]^T`` (latent and rope, two MMA
+    groups); returns them, which of its tokens are ``< end`` and their KV scales (0 past the
+    end: a masked copy leaves the slot's old scales there, and the tile's largest scale, which
+    p is relative to, must be a real token's)."""
+    fence_async_shared()  # the copies' writes, before the products read them
+    scores = warpgroup_mma(k_lat, qq_lat.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    scores = warpgroup_mma(k_rope, qq_rope.permute((1, 0)), scores, is_async=True)
+    mask = n0 + gl.arange(0, BLOCK_N, layout=tok_l) < end
+    return scores, mask, gl.where(mask, scales.load(tok_l), 0.0)
 
 
 @gluon.jit
@@ -358,13 +390,9 @@ def _consume(
         for i in range(tiles):
             buf = (it + i) % NUM_BUF
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
-            fence_async_shared()  # the copies' writes, before the products read them
-            scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
-                                   is_async=True)  # fmt: skip
-            mask = n0 + gl.arange(0, BLOCK_N, layout=tok_l) < end
-            scale = gl.where(mask, scales_all.index(buf).load(tok_l), 0.0)
+            scores, mask, scale = _start_scores(k_lat_all.index(buf), k_rope_all.index(buf),
+                                                scales_all.index(buf), qq_lat, qq_rope, zeros,
+                                                n0, end, tok_l, BLOCK_N)  # fmt: skip
             # the last tile's output product done: p's buffer and the A registers are free
             acc = warpgroup_mma_wait(2, deps=(pv,))
             s = warpgroup_mma_wait(0, deps=(scores,))
@@ -378,10 +406,7 @@ def _consume(
                                                 l_rows, acc, acc_unit, p_s, BLOCK_H)
             pv = warpgroup_mma_init(acc)
             for c in gl.static_range(4):
-                v = (v0, v1, v2, v3)[c]
-                for part in gl.static_range(2):
-                    p_t = p_s.slice(part * BLOCK_H, BLOCK_H, dim=0).slice(32 * c, 32, dim=1)
-                    pv = warpgroup_mma(v, p_t.permute((1, 0)), pv, is_async=True)
+                pv = _chunk_product((v0, v1, v2, v3)[c], c, p_s, pv, BLOCK_H)
             n0 += BLOCK_N
         acc = warpgroup_mma_wait(0, deps=(pv,))
     else:
@@ -397,15 +422,9 @@ def _consume(
             else:
                 pv = warpgroup_mma_init(acc)
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
-            fence_async_shared()  # the copies' writes, before the products read them
-            scores = warpgroup_mma(k_lat_all.index(buf), qq_lat.permute((1, 0)), zeros,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scores = warpgroup_mma(k_rope_all.index(buf), qq_rope.permute((1, 0)), scores,
-                                   is_async=True)  # fmt: skip
-            mask = n0 + gl.arange(0, BLOCK_N, layout=tok_l) < end
-            # 0 past the end (a masked copy leaves the slot's old scales there), so that the
-            # tile's largest scale, which p is relative to, is a real token's
-            scale = gl.where(mask, scales_all.index(buf).load(tok_l), 0.0)
+            scores, mask, scale = _start_scores(k_lat_all.index(buf), k_rope_all.index(buf),
+                                                scales_all.index(buf), qq_lat, qq_rope, zeros,
+                                                n0, end, tok_l, BLOCK_N)  # fmt: skip
             # the output product done (MMA groups retire in order): p's buffer and the A
             # registers are free while the scores run
             acc = warpgroup_mma_wait(2, deps=(pv,))

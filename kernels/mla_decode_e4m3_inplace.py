@@ -44,6 +44,7 @@ from .mla_decode_e4m3 import (
     PRODUCER_THREADS,
     _copy_tile,
     _halves_sum,
+    _probabilities,
     _q_in_two_parts,
     _slots,
 )
@@ -51,7 +52,6 @@ from .mla_decode_wgmma import (
     CONSUMER_ONLY,
     PRODUCER_ONLY,
     _as_words,
-    _max_pair,
     _reinterpret,
     _split_range,
     _store_partial,
@@ -213,20 +213,9 @@ def _consumer(
             next_scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=next_mask, other=0.0)
             entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            s = _halves_sum(s, mma) * q_unit[None, :]
-            s = s * (scale * sm_scale_log2e)[:, None]
-            s = gl.where(mask[:, None], s, float("-inf"))
-
-            s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
-            m_new = gl.maximum(m, s_top)
-            alpha = gl.exp2(m - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            l_rows = l_rows * alpha[None, :] + p
-            # p relative to the tile's largest V scale, lifted by 2^8 (small weights stay normal)
-            v_top = gl.maximum(v_top, 1e-30) / 256.0
-            p = p * scale[:, None] / v_top[None, :]
-            alpha = alpha * (acc_unit / v_top)
-            acc_unit = v_top
+            p, alpha, acc_unit, m_new, l_rows = _probabilities(s, scale, mask, q_unit,
+                                                               sm_scale_log2e, m, l_rows,
+                                                               acc_unit)  # fmt: skip
             p_hi = p.to(gl.float8e4nv)
             # the previous product done: its slot, p's buffer and the accumulator are free
             acc = warpgroup_mma_wait(0, deps=(pv,))

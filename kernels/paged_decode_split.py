@@ -1012,14 +1012,15 @@ def paged_decode(
         tiles = {(64, 4)}
         if cfg.e4m3 and not (cfg.e4m3_in_place or cfg.stream):
             tiles.add((128, 8))  # the register kernel on two consumer warpgroups
+        if cfg.early_v:
+            tiles = {(128, 8)}
         if (scales is None or (dim, rope_dim, cfg.block_h) != (512, 64, 16)
-                or (cfg.block_n, cfg.num_warps) not in tiles
-                or (cfg.early_v and cfg.block_n != 128)):  # fmt: skip
+                or (cfg.block_n, cfg.num_warps) not in tiles):  # fmt: skip
             raise ValueError(
                 "the wgmma MLA kernel takes FP8 pages of 512 latent + 64 rope dims with tiles of "
                 f"16 heads and (tokens, warps) in {sorted(tiles)}, got "
                 f"{'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
-                f"block_h={cfg.block_h}, num_warps={cfg.num_warps} (early_v: 128-token tiles only)"
+                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
             )
 
     if out is None:
