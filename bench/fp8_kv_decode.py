@@ -51,7 +51,6 @@ from tessera.kernels.paged_decode_fp8 import (
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
-    MLA_FP8_E4M3_128_EARLY_V,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_TRITON,
@@ -449,9 +448,6 @@ MLA_PEER_VARIANTS = {
     "e4m3_128_producer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=1)),
     "e4m3_128_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=2)),
     # ... each slot back before the tile's softmax, the producer holding nothing
-    "e4m3_128_early_v": ("fp8", MLA_FP8_E4M3_128_EARLY_V),
-    "e4m3_128_early_v_producer_only": ("fp8", replace(MLA_FP8_E4M3_128_EARLY_V, only=1)),
-    "e4m3_128_early_v_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128_EARLY_V, only=2)),
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),

@@ -86,15 +86,14 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
     fp8: bool = True, e4m3: bool = False, in_place: bool = False, stream_batch: int = 0,
-    wide_tiles: bool = False, early_v: bool = False,
+    wide_tiles: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
     ``mla_decode_e4m3_inplace.py``), from 64 heads the
     heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8); with ``stream_batch`` the e4m3
     kernel on the stream schedule (``mla_stream.py``) for batches of up to that many requests;
-    with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups), with
-    ``early_v`` too its variant that gives each slot back before the softmax.
+    with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups).
     Its shared memory in bytes, registers and stack (``resources``), each partition's register
     limit (``setmaxnreg``), whether its SASS has wgmma, how many spill instructions, and the
     opcodes of its longest loop (``loop``) and of its tile loop (``tile_loop``: the innermost
@@ -112,8 +111,6 @@ def gluon_report(
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
         if wide_tiles:
             num_warps, constexprs["BLOCK_N"] = 8, 128
-        if fn is mla_fp8_e4m3_kernel and not stream_batch:  # (3.9 wants every constexpr given)
-            constexprs["EARLY_V"] = early_v
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if stream_batch:
         fn = mla_fp8_e4m3_stream_kernel

@@ -80,25 +80,17 @@ def _consumer_warps(BLOCK_N):
 
 
 @constexpr_function
-def _staged(BLOCK_N, EARLY_V):
-    """Whether the producer loads each tile's first half into registers before its slot is
-    free (``_produce``): on 128-token tiles, unless the consumer gives each slot back before
-    its softmax (``EARLY_V``)."""
-    return BLOCK_N == 128 and not EARLY_V
-
-
-@constexpr_function
-def _producer_registers(BLOCK_N, EARLY_V):
+def _producer_registers(BLOCK_N):
     """The producer issues copies; holding half a tile (36 KB) takes 72 registers a thread
     more."""
-    return 128 if _staged(BLOCK_N, EARLY_V) else 64
+    return 128 if BLOCK_N == 128 else 64
 
 
 @constexpr_function
-def _loaded_arrivals(BLOCK_N, EARLY_V):
+def _loaded_arrivals(BLOCK_N):
     """Arrivals that mark a slot loaded: each producer thread's copies (PRODUCER_THREADS), and
     where the tile's first half was held in registers one more, once all have stored it."""
-    return 128 + _staged(BLOCK_N, EARLY_V)
+    return 128 + (BLOCK_N == 128)
 
 
 @gluon.jit
@@ -237,14 +229,14 @@ def _produce(
     KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot, stride_s_slot, k_lat_all,
     k_rope_all, scales_all, loaded, empty, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    D_ROPE: gl.constexpr, ONLY: gl.constexpr, EARLY_V: gl.constexpr = False,
+    D_ROPE: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Copies each raw tile of tokens ``[start, end)`` and its KV scales into the next free
     slot, the first into the ring's ``it``-th; returns the ring position after them."""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     # 128-token tiles have two slots, one tile in flight: their first half is loaded into
     # registers before the slot is free, so that half a tile more is in flight
-    STAGED: gl.constexpr = _staged(BLOCK_N, EARLY_V)
+    STAGED: gl.constexpr = BLOCK_N == 128
     HALF: gl.constexpr = BLOCK_N // 2
     lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
     rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -259,7 +251,7 @@ def _produce(
                               ENTRIES_PER_PAGE, HALF, rope_l)  # fmt: skip
         mbarrier.wait(empty.index(buf), ((it + i) // NUM_BUF & 1) ^ 1)  # its last tile done
         if ONLY == CONSUMER_ONLY:  # hands the slot over as it is
-            mbarrier.arrive(loaded.index(buf), count=_loaded_arrivals(BLOCK_N, EARLY_V))
+            mbarrier.arrive(loaded.index(buf), count=_loaded_arrivals(BLOCK_N))
         elif STAGED:
             _copy_tile(KV, indices, row, n0 + HALF, end, stride_kv_slot,
                        k_lat_all.index(buf).slice(HALF, HALF, dim=0),
@@ -352,17 +344,14 @@ def _start_scores(
 def _consume(
     start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
     p_s, loaded, empty, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    ONLY: gl.constexpr, EARLY_V: gl.constexpr = False,
+    ONLY: gl.constexpr,
 ):  # fmt: skip
     """Tokens ``[start, end)``, their first tile in the ring's ``it``-th slot: each tile's
     scores, the previous tile's output product (which frees that slot) and this tile's online
     softmax, its KV scales read from the slot (the producer copied them with the tile, so no
     global load waits here). Returns o^T over its per-head unit (in the MMA layout, row r
     holding dim ``_row_dims(r)``), the unit, the running max and the softmax's sum. A tile of
-    128 tokens takes two warpgroups: each the scores of its 64 tokens and half of o^T's dims.
-    ``EARLY_V`` (128-token tiles): each tile's V^T is read into registers as soon as its scores
-    are done, the slot goes back before the softmax, and the tile's output product follows its
-    softmax (held in 64 more registers a thread; the producer then holds nothing)."""
+    128 tokens takes two warpgroups: each the scores of its 64 tokens and half of o^T's dims."""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     W: gl.constexpr = _consumer_warps(BLOCK_N)
     wide: gl.constexpr = _mma_layout(BLOCK_N, 2 * BLOCK_H, 32)
@@ -382,33 +371,6 @@ def _consume(
             buf = (it + i) % NUM_BUF
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
             mbarrier.arrive(empty.index(buf), count=1)
-    elif EARLY_V:
-        gl.static_assert(BLOCK_N == 128, "the V^T chunks below are a 128-token tile's")
-        n0 = start
-        zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
-        pv = warpgroup_mma_init(acc)
-        for i in range(tiles):
-            buf = (it + i) % NUM_BUF
-            mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
-            scores, mask, scale = _start_scores(k_lat_all.index(buf), k_rope_all.index(buf),
-                                                scales_all.index(buf), qq_lat, qq_rope, zeros,
-                                                n0, end, tok_l, BLOCK_N)  # fmt: skip
-            # the last tile's output product done: p's buffer and the A registers are free
-            acc = warpgroup_mma_wait(2, deps=(pv,))
-            s = warpgroup_mma_wait(0, deps=(scores,))
-            lat = k_lat_all.index(buf)
-            v0 = _v_chunk(lat, 0, a_l, D, W)
-            v1 = _v_chunk(lat, 1, a_l, D, W)
-            v2 = _v_chunk(lat, 2, a_l, D, W)
-            v3 = _v_chunk(lat, 3, a_l, D, W)
-            mbarrier.arrive(empty.index(buf), count=1)  # the scores and V^T are out of it
-            acc, acc_unit, m, l_rows = _softmax(s, scale, mask, q_unit, sm_scale_log2e, m,
-                                                l_rows, acc, acc_unit, p_s, BLOCK_H)
-            pv = warpgroup_mma_init(acc)
-            for c in gl.static_range(4):
-                pv = _chunk_product((v0, v1, v2, v3)[c], c, p_s, pv, BLOCK_H)
-            n0 += BLOCK_N
-        acc = warpgroup_mma_wait(0, deps=(pv,))
     else:
         n0 = start
         zeros = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide)
@@ -448,12 +410,12 @@ def _consumer(
     start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
     p_s, loaded, empty, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
     stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    ONLY: gl.constexpr, EARLY_V: gl.constexpr,
+    ONLY: gl.constexpr,
 ):  # fmt: skip
     """One split: its tiles, then its partial output and log-sum-exp."""
     acc, acc_unit, m, l = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
-                                   BLOCK_H, BLOCK_N, ONLY, EARLY_V)  # fmt: skip
+                                   BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
     mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
     _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
                    stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D,
@@ -538,7 +500,6 @@ def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE
 @gluon.jit
 def _ring(
     BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
-    EARLY_V: gl.constexpr = False,
 ):  # fmt: skip
     """``_slots``, each slot's KV scales and the slots' barriers: loaded (its copies landed,
     every producer thread's), empty (the output product done with it)."""
@@ -549,7 +510,7 @@ def _ring(
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
-        mbarrier.init(loaded.index(i), count=_loaded_arrivals(BLOCK_N, EARLY_V))
+        mbarrier.init(loaded.index(i), count=_loaded_arrivals(BLOCK_N))
         mbarrier.init(empty.index(i), count=1)
     return k_lat_all, k_rope_all, scales_all, p_s, loaded, empty
 
@@ -585,13 +546,11 @@ def mla_fp8_e4m3_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     ONLY: gl.constexpr = 0,
-    EARLY_V: gl.constexpr = False,
 ):
     """Stage 1: the producer warpgroup copies raw tiles, the consumer (the kernel's warps: one
     warpgroup for 64-token tiles, two for 128) reads their V^T and runs both e4m3 products and
     the softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that
-    side's work alone. ``EARLY_V`` (128-token tiles): the consumer reads each tile's V^T right
-    after its scores and gives the slot back before the softmax (``_consume``)."""
+    side's work alone."""
     gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "a warpgroup's MMA has M = 64")
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -603,9 +562,7 @@ def mla_fp8_e4m3_kernel(
     q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
                                               D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
 
-    gl.static_assert((not EARLY_V) | (BLOCK_N == 128), "EARLY_V is for 128-token tiles")
-    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE,
-                                                                  EARLY_V)  # fmt: skip
+    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
@@ -613,13 +570,13 @@ def mla_fp8_e4m3_kernel(
             (_consumer, (start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
                          k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b,
                          split, hb, num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H,
-                         BLOCK_N, ONLY, EARLY_V)),
+                         BLOCK_N, ONLY)),
             (_produce, (KV, KV_SCALE, indices, row, start, end, 0, stride_kv_slot,
                         stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
-                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY, EARLY_V)),
+                        PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),
         ],
         [4],
-        [_producer_registers(BLOCK_N, EARLY_V)],
+        [_producer_registers(BLOCK_N)],
     )  # fmt: skip
 
 
@@ -739,5 +696,5 @@ def mla_fp8_e4m3_stream_kernel(
                                 LENS_ARE_ENDS, BLOCK_N, BATCH_P2, D, D_ROPE, ONLY)),
         ],
         [4],
-        [_producer_registers(BLOCK_N, False)],
+        [_producer_registers(BLOCK_N)],
     )  # fmt: skip

@@ -78,9 +78,6 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
-    # the e4m3 kernel on 128-token tiles: each tile's V^T read right after its scores, its slot
-    # back before the softmax (the producer then holds no half tile)
-    early_v: bool = False
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -112,9 +109,6 @@ MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
 # steps (scores, softmax, p's store, the output product) for the same tokens. Its consumer
 # alone is 1.2x the 64-token one's; with the producer, 1.02-1.05x (E4M3_MIN_TOKENS)
 MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
-# ... with each slot back before the tile's softmax instead of a half tile held by the producer:
-# about as much in flight, without the producer's register round trip (built; not yet timed)
-MLA_FP8_E4M3_128_EARLY_V = replace(MLA_FP8_E4M3_128, early_v=True)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -1012,8 +1006,6 @@ def paged_decode(
         tiles = {(64, 4)}
         if cfg.e4m3 and not (cfg.e4m3_in_place or cfg.stream):
             tiles.add((128, 8))  # the register kernel on two consumer warpgroups
-        if cfg.early_v:
-            tiles = {(128, 8)}
         if (scales is None or (dim, rope_dim, cfg.block_h) != (512, 64, 16)
                 or (cfg.block_n, cfg.num_warps) not in tiles):  # fmt: skip
             raise ValueError(
@@ -1083,9 +1075,8 @@ def paged_decode(
                 )
             else:
                 mla_fp8_e4m3_kernel[(programs, splits)](
-                    ONLY=cfg.only, EARLY_V=cfg.early_v, **mla,
-                    **shared_but("FP8", "INTERPRETED", "num_stages"),
-                )  # fmt: skip
+                    ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+                )
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")

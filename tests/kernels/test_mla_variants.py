@@ -13,7 +13,6 @@ from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
-    MLA_FP8_E4M3_128_EARLY_V,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_WGMMA,
@@ -61,14 +60,14 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("heads", [8, 16, 20])
 @pytest.mark.parametrize(
     "config",
-    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_128_EARLY_V, MLA_FP8_E4M3_IN_PLACE,
+    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE,
      MLA_FP8_E4M3_STREAM],
-    ids=["regs", "regs_128", "regs_128_early_v", "in_place", "stream"],
+    ids=["regs", "regs_128", "in_place", "stream"],
 )
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
     """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, on 64-
     or 128-token tiles, or written over the tile by the producer; the first on the stream
-    schedule too; on 128-token tiles also with each slot given back before the softmax): the
+    schedule too): the
     same edge lengths (around 128-token tiles too), head counts and page tables as the widening
     kernel, the same tolerance."""
     run_mla("fp8", [1, 63, 64, 65, 127, 129, 700, 3001], page_size, heads, config=config,
@@ -110,8 +109,8 @@ def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads):
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize(
     "config",
-    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_128_EARLY_V, MLA_FP8_E4M3_STREAM],
-    ids=["splits", "128", "128_early_v", "stream"],
+    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_STREAM],
+    ids=["splits", "128", "stream"],
 )
 def test_e4m3_kernel_stays_accurate_over_long_splits(balanced, config):
     """The e4m3 kernels sum a split's tiles inside the tensor cores, with fewer bits than fp32,
