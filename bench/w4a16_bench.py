@@ -222,10 +222,12 @@ def deepgemm_times(xs, fp8, m: int, n: int, k: int) -> dict:
 
 
 def _short(cfg) -> str:
-    """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits."""
+    """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits (the
+    gemv path: its tile, ``a2`` for words two steps ahead, splits)."""
     path = getattr(cfg, "path", "triton")
     if path == "gemv":
-        return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
+        return (f"gemv{cfg.block_n}x{cfg.block_k}" + ("a2" if cfg.ahead == 2 else "")
+                + (f"k{cfg.split_k}" if cfg.split_k > 1 else ""))  # fmt: skip
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
