@@ -29,6 +29,7 @@ import argparse
 import ast
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -46,7 +47,14 @@ from deepgemm import DeepGemm, dequantize_blocks, dequantize_groups
 from marlin import Marlin, marlin_block
 from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
-from tessera.kernels.w4a16_gemm import _TUNED, _candidates, _m_bucket, w4a16_matmul
+from tessera.kernels.w4a16_gemm import (
+    _TUNED,
+    _candidates,
+    _graph_time,
+    _l2_flush_buffer,
+    _m_bucket,
+    w4a16_matmul,
+)
 from tessera.kernels.w4a16_moe import (
     align_to_experts,
     fused_moe,
@@ -120,6 +128,29 @@ def marlin_time(call, sets: int) -> tuple[float, str]:
     return statistics.median(times), "eager"
 
 
+def memset_flush_time(fn, calls: int, replays: int = 9) -> float:
+    """The tuner's timing as it was before its flush became a read: each call after a memset
+    of twice the L2, microseconds per call and flush."""
+    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
@@ -173,12 +204,17 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             twin["int4_other_split_us"] = graph_time_us(
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
-        per_config = {}
+        per_config, tuner = {}, {"read_flush_us": {}, "write_flush_us": {}}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k):
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
                 )
+                # and as the tuner times it (one weight, an L2 flush before each call), with
+                # its flush and with the memset it used before
+                call = functools.partial(w4a16_matmul, xs[0], ws[0], cfg)
+                tuner["read_flush_us"][_short(cfg)] = _graph_time(call, 16) * 1e3 / 16
+                tuner["write_flush_us"][_short(cfg)] = memset_flush_time(call, 16)
             print(f"  M={m} candidates (us): "
                   + ", ".join(f"{c} {t:.1f}" for c, t in sorted(per_config.items(),
                                                                 key=lambda kv: kv[1])),
@@ -186,7 +222,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config, **marlin, **twin,
+            "candidates_us": per_config, "tuner_timing": tuner, **marlin, **twin,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
@@ -222,12 +258,10 @@ def deepgemm_times(xs, fp8, m: int, n: int, k: int) -> dict:
 
 
 def _short(cfg) -> str:
-    """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits (the
-    gemv path: its tile, ``a2`` for words two steps ahead, splits)."""
+    """A GEMM or MoE config in a few characters: orientation, tile, warps, stages, splits."""
     path = getattr(cfg, "path", "triton")
     if path == "gemv":
-        return (f"gemv{cfg.block_n}x{cfg.block_k}" + ("a2" if cfg.ahead == 2 else "")
-                + (f"k{cfg.split_k}" if cfg.split_k > 1 else ""))  # fmt: skip
+        return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"

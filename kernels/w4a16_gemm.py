@@ -525,7 +525,6 @@ def _gemv_sum(
     x_row, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk, stride_sk,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """fp32 ``[BLOCK_N]``: the activations at ``x_row`` times the dequantized columns
     ``offs_n``, over this program's part (``program_id(1)`` of ``split_k``) of K, on CUDA cores:
@@ -534,12 +533,10 @@ def _gemv_sum(
     multiplied by its scale into an fp32 accumulator of the same shape, reduced over its rows
     once at the end.
 
-    Triton pipelines only loads that feed a dot, so the words of the next ``AHEAD`` (1 or 2)
-    steps are loaded into registers before this step's are decoded (the last steps reload
-    their own). Loads pipelined
+    Triton pipelines only loads that feed a dot, so the next step's words are loaded into
+    registers before this step's are decoded (the last step reloads its own). Loads pipelined
     through shared memory instead (``tl.range(..., num_stages=3)``) measured slower on the
     H200 (27.6 against 26.4 us, bench/results/w4a16_gemm_v5.json)."""
-    tl.static_assert((AHEAD == 1) | (AHEAD == 2), "words are loaded 1 or 2 steps ahead")
     offs_r = tl.arange(0, BLOCK_R)
     rows_total = K // 8
     steps = tl.cdiv(rows_total, BLOCK_R)
@@ -551,18 +548,11 @@ def _gemv_sum(
         qw_ptr, tl.minimum(step_begin, steps - 1), offs_r, offs_n, n_mask, rows_total,
         stride_qk, BLOCK_R, EVEN_K, EVEN_N,
     )  # fmt: skip
-    if AHEAD == 2:
-        later = _gemv_load_words(
-            qw_ptr, tl.minimum(step_begin + 1, steps - 1), offs_r, offs_n, n_mask, rows_total,
-            stride_qk, BLOCK_R, EVEN_K, EVEN_N,
-        )  # fmt: skip
     for step in range(step_begin, step_end):
         next_words = _gemv_load_words(
-            qw_ptr, tl.minimum(step + AHEAD, step_end - 1), offs_r, offs_n, n_mask, rows_total,
+            qw_ptr, tl.minimum(step + 1, step_end - 1), offs_r, offs_n, n_mask, rows_total,
             stride_qk, BLOCK_R, EVEN_K, EVEN_N,
         )  # fmt: skip
-        if AHEAD == 2:
-            next_words, later = later, next_words
         acc = _gemv_step(
             acc, words, step, x_row, s_ptr, z_ptr, offs_r, offs_n, n_mask, rows_total,
             stride_sk, GROUP, HAS_ZEROS, BLOCK_R, FAST, EVEN_K, EVEN_N,
@@ -580,7 +570,6 @@ def _w4a16_gemv_kernel(
     BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     COUNTED: tl.constexpr = False, FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
-    AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """out[m, N tile] (+)= x[m] @ dequant(W) for one token, one ``BLOCK_N`` column tile and one
     of ``split_k`` K parts, without tensor cores (:func:`_gemv_sum`). The tokens of a column
@@ -592,7 +581,7 @@ def _w4a16_gemv_kernel(
     n_mask = offs_n < N
     res = _gemv_sum(
         x_ptr + m * stride_xm, qw_ptr, s_ptr, z_ptr, offs_n, n_mask, K, split_k, stride_qk,
-        stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N, AHEAD,
+        stride_sk, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
     _store_tile(out_ptr, ws_ptr, cnt_ptr, m * stride_om + offs_n, res, n_mask, split_k, SPLIT,
                 COUNTED, FENCE)  # fmt: skip
@@ -643,8 +632,6 @@ class GemmConfig:
     # The decode slice's seven dense linears at one token: 1 took 0.94x the time of 0, 2 1.15x
     # (bench/results/w4a16_pdl.json): 1 by default
     pdl: int = 1
-    # the gemv path's K steps of words loaded into registers ahead of the one decoded (1 or 2)
-    ahead: int = 1
 
 
 _TUNED: dict[tuple, object] = {}
@@ -706,8 +693,7 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     # 8-row tiles above M = 8 decode each weight once per token tile; the token tiles of a
     # column tile run side by side, so the extra reads come from L2 (measured faster at M = 1
     # than 16-row tiles; 16- and 64-row weights-first tiles use wgmma and measured slower)
-    swapped = ([(8, 128, 4, 4), (8, 256, 4, 4), (8, 256, 8, 4), (8, 128, 4, 6), (8, 256, 4, 6)]
-               if m <= 16 else [(8, 256, 4, 4)])  # fmt: skip
+    swapped = [(8, 128, 4, 4), (8, 256, 4, 4), (8, 256, 8, 4)] if m <= 16 else [(8, 256, 4, 4)]
     previous = [(16, 256, 4, 4)] if m <= 16 else [(16, 256, 4, 4), (32, 128, 4, 4)]
     if m > 16:
         swapped.append((64, 256, 8, 3))
@@ -716,10 +702,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         out += [GemmConfig("triton", 8, bn, 128, 1, 4, stages, swap=True)
                 for bn in (32, 64, 128) for stages in (4, 8)]  # fmt: skip
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
-        for bn, bk, ahead in ((128, 128, 1), (256, 64, 1), (128, 128, 2), (256, 64, 2),
-                              (128, 256, 1)):  # fmt: skip
+        for bn, bk in ((128, 128), (256, 64)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
-                out.append(GemmConfig("gemv", 1, bn, bk, s, 4, ahead=ahead))
+                out.append(GemmConfig("gemv", 1, bn, bk, s, 4))
     return out
 
 
@@ -805,7 +790,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         common |= {"PDL": cfg.pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
-            *args, BLOCK_R=cfg.block_k // PACK, AHEAD=cfg.ahead, num_stages=1, **common
+            *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common
         )
     else:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n)
@@ -820,25 +805,28 @@ _FLUSH: dict[torch.device, torch.Tensor] = {}
 
 
 def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
-    """A buffer twice the size of the GPU's L2 cache: zeroing it evicts the weights."""
+    """A buffer twice the size of the GPU's L2 cache: reading it evicts the weights."""
     if device not in _FLUSH:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-        _FLUSH[device] = torch.empty(2 * max(l2, 8 << 20), dtype=torch.uint8, device=device)
+        _FLUSH[device] = torch.zeros(2 * max(l2, 8 << 20) // 4, dtype=torch.int32, device=device)
     return _FLUSH[device]
 
 
-def _graph_time(fn: Callable[[], object], calls: int = 8, replays: int = 5) -> float:
-    """Median time of ``fn`` from CUDA-graph replays, each call after an L2 flush (a memset, the
-    same for every candidate), so weights stream from HBM as in decode. Eager timing of these
-    short calls would measure Python launch overhead, not the GPU (seen on the H200: tile
-    choices became noise)."""
+def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> float:
+    """Median time of ``fn`` from CUDA-graph replays, each call after an L2 flush (the same for
+    every candidate), so weights stream from HBM as in decode. The flush reads a buffer twice
+    the L2's size: a write (a memset) left the L2 full of dirty lines whose write-back competed
+    with the timed call's reads, and the tuner then picked tiles 0.6-1.3 us slower than the
+    fastest on three of the decode slice's seven linears at one token
+    (bench/results/w4a16_gemm_ahead.json). Eager timing of these short calls would measure
+    Python launch overhead, not the GPU (seen on the H200: tile choices became noise)."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     fn()  # compile and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            flush.zero_()
+            flush.max()
             fn()
     graph.replay()
     times = []

@@ -213,7 +213,7 @@ def _moe_gemv_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTING: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FAST: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one pair (expert blocks of one row), one column tile and
     one of ``split_k`` K parts, on CUDA cores: the dense GEMV's K loop (:func:`_gemv_sum`) on
@@ -239,7 +239,7 @@ def _moe_gemv_kernel(
     res = _gemv_sum(
         x_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
         z_ptr + expert * stride_se, offs_n, n_mask, K, split_k, stride_wk, stride_sk, GROUP,
-        HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N, AHEAD,
+        HAS_ZEROS, BLOCK_N, BLOCK_R, FAST, EVEN_K, EVEN_N,
     )  # fmt: skip
     _epilogue(
         res[None, :], out_ptr, ws_ptr, cnt_ptr, pairs, pairs < num_pairs, offs_o, o_mask, out_n,
@@ -307,7 +307,6 @@ class MoeConfig:
     # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
     # ends, waiting for its results before reading anything)
     pdl: int = 1
-    ahead: int = 1  # the gemv path's K steps of words in registers ahead (GemmConfig.ahead)
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -452,7 +451,7 @@ def moe_gemm(
         _moe_gemv_kernel[grid](
             *args, n, k, num_pairs, block_expert.numel(), rows_per_x, config.split_k, summed,
             x.stride(0), swe, swk, sse, ssk,
-            BLOCK_R=config.block_k // 8, AHEAD=config.ahead, num_stages=1, **common,
+            BLOCK_R=config.block_k // 8, num_stages=1, **common,
         )  # fmt: skip
     else:
         _moe_gemm_kernel[grid](
@@ -514,9 +513,8 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
              ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4))]  # fmt: skip
     gemv = []
     if int4 and n is not None and num_pairs <= 2 * num_experts:
-        for bn, bk, ahead in ((128, 128, 1), (256, 64, 1), (128, 128, 2), (256, 64, 2),
-                              (128, 256, 1)):  # fmt: skip
-            gemv += [MoeConfig(1, bn, bk, 4, 1, split_k=s, path="gemv", ahead=ahead)
+        for bn, bk in ((128, 128), (256, 64)):
+            gemv += [MoeConfig(1, bn, bk, 4, 1, split_k=s, path="gemv")
                      for s in _split_counts(num_pairs * triton.cdiv(n, bn))]  # fmt: skip
     return small + swapped + split + gemv
 

@@ -136,16 +136,13 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("m,n,k,group,symmetric,bn,bk,split_k", GEMV_CASES)
-def test_gemv_matches_reference(m, n, k, group, symmetric, bn, bk, split_k, ahead):
+def test_gemv_matches_reference(m, n, k, group, symmetric, bn, bk, split_k):
     """The CUDA-core path for a few tokens (on the GPU its fp16x2 PTX decode, in the
-    interpreter the same kernel with exact fp32 products), its words loaded one or two steps
-    ahead (splits of one step, and empty ones, included)."""
+    interpreter the same kernel with exact fp32 products)."""
     w = make_weight((n, k), group, symmetric, seed=n)
     x = make_x(m, k, seed=k)
-    cfg = GemmConfig("gemv", block_n=bn, block_k=bk, split_k=split_k, ahead=ahead)
-    out = w4a16_matmul(x, w, cfg)
+    out = w4a16_matmul(x, w, GemmConfig("gemv", block_n=bn, block_k=bk, split_k=split_k))
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2
 
@@ -161,8 +158,8 @@ def test_gemv_fp16_decode_real_shapes(group, symmetric):
     x = make_x(2, 2048, seed=1)
     x[1] *= 4096  # |x| up to about 2e4
     ref = w4a16_matmul_reference(x, w)
-    for split, ahead in ((1, 1), (4, 1), (4, 2), (16, 2)):
-        cfg = GemmConfig("gemv", block_n=256, split_k=split, ahead=ahead)
+    for split in (1, 4):
+        cfg = GemmConfig("gemv", block_n=256, split_k=split)
         fast = w4a16_matmul(x, w, cfg)
         plain = w4a16_matmul(x, w, dataclasses.replace(cfg, fast_decode=False))
         assert torch.isfinite(fast).all()
@@ -323,8 +320,7 @@ def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
     """One pair a program on CUDA cores, in pair order with no alignment: experts shared by
     several pairs, column counts that are not a multiple of the tile (masked columns), a down K
     (96) that ends inside a step, K split with an empty part, and the gemv path beside a
-    tensor-core tile in the other GEMM (aligned for that one only); words one or two steps
-    ahead."""
+    tensor-core tile in the other GEMM (aligned for that one only)."""
     experts, hidden, inter, tokens, top_k = 4, 384, 96, 5, 2
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
                                         symmetric, seed=7)  # fmt: skip
@@ -332,8 +328,7 @@ def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
     tile = MoeConfig(block_m=8, block_n=32, swap=True)
     wide = MoeConfig(1, 128, 128, path="gemv")
     short = MoeConfig(1, 64, 64, split_k=4, path="gemv")
-    ahead = MoeConfig(1, 64, 64, split_k=2, path="gemv", ahead=2)
-    for cfgs in ((wide, short), (short, tile), (tile, wide), (ahead, ahead)):
+    for cfgs in ((wide, short), (short, tile), (tile, wide)):
         out = fused_moe(x, w13, w2, weights, ids, configs=cfgs)
         assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
         assert rel_l2(out, ref) <= REL_L2, cfgs
@@ -497,11 +492,10 @@ def test_fused_moe_gemv_real_width(experts, tokens, split):
     ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
                        for _ in range(tokens)])  # fmt: skip
     weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
+    cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv")
+    out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
     ref = reference_on_used_experts(x, w13, w2, weights, ids)
-    for ahead in (1, 2):
-        cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv", ahead=ahead)
-        out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
-        assert rel_l2(out, ref) <= REL_L2, cfg
+    assert rel_l2(out, ref) <= REL_L2
 
 
 @gpu
