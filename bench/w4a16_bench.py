@@ -51,7 +51,6 @@ from tessera.kernels.w4a16_gemm import (
     _TUNED,
     _candidates,
     _graph_time,
-    _l2_flush_buffer,
     _m_bucket,
     w4a16_matmul,
 )
@@ -128,29 +127,6 @@ def marlin_time(call, sets: int) -> tuple[float, str]:
     return statistics.median(times), "eager"
 
 
-def memset_flush_time(fn, calls: int, replays: int = 9) -> float:
-    """The tuner's timing as it was before its flush became a read: each call after a memset
-    of twice the L2, microseconds per call and flush."""
-    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            flush.zero_()
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
@@ -204,17 +180,16 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             twin["int4_other_split_us"] = graph_time_us(
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
-        per_config, tuner = {}, {"read_flush_us": {}, "write_flush_us": {}}
+        per_config, tuner = {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k):
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
                 )
-                # and as the tuner times it (one weight, an L2 flush before each call), with
-                # its flush and with the memset it used before
+                # and as the tuner times it (one weight flushed from the L2 before each call,
+                # the activations read back into it; flush included)
                 call = functools.partial(w4a16_matmul, xs[0], ws[0], cfg)
-                tuner["read_flush_us"][_short(cfg)] = _graph_time(call, 16) * 1e3 / 16
-                tuner["write_flush_us"][_short(cfg)] = memset_flush_time(call, 16)
+                tuner[_short(cfg)] = _graph_time(call, 16, warm=(xs[0],)) * 1e3 / 16
             print(f"  M={m} candidates (us): "
                   + ", ".join(f"{c} {t:.1f}" for c, t in sorted(per_config.items(),
                                                                 key=lambda kv: kv[1])),
@@ -222,7 +197,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config, "tuner_timing": tuner, **marlin, **twin,
+            "candidates_us": per_config, "tuner_us": tuner, **marlin, **twin,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
