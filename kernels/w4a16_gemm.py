@@ -812,19 +812,16 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _FLUSH[device]
 
 
-def _graph_time(
-    fn: Callable[[], object], calls: int = 16, replays: int = 9, warm: tuple = ()
-) -> float:
-    """Median time of ``fn`` from CUDA-graph replays, each call as in a decode step: its weights
-    out of the L2 (a read of a buffer twice the L2's size before each call) and its activations
-    ``warm`` in it (read once after the flush: the kernel before wrote them).
-
-    Timed side by side with the bench's cycled weight sets (bench/results/
-    w4a16_gemm_tuner_flush.json, the decode slice's seven linears): the flush as a memset,
-    nothing warm, made the tuner pick tiles 1.2-1.5 us slower than the fastest on two of the
-    seven at one token, and put the CUDA-core path about 1 us behind where it is not (it reads
-    the activations in each step, from HBM once they are flushed). Eager timing of these short
-    calls would measure Python launch overhead, not the GPU (tile choices became noise)."""
+def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> float:
+    """Median time of ``fn`` from CUDA-graph replays, each call after an L2 flush (the same for
+    every candidate), so weights stream from HBM as in decode. The flush reads a buffer twice
+    the L2's size. Timed side by side with the bench's cycled weight sets on the decode slice's
+    seven linears (bench/results/w4a16_gemm_tuner_flush.json): with a memset as the flush the
+    tuner's picks were 3.2 us slower in all than the fastest at one token (1.2-1.5 us on two
+    linears), with the read 0.5 us; at 16 tokens -0.1 and 0.7 us. Reading the activations back
+    into the L2 after it changed no pick beyond that spread (w4a16_gemm_tuner_warm.json).
+    Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
+    choices became noise)."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     fn()  # compile and warm up outside the capture
     torch.cuda.synchronize()
@@ -832,8 +829,6 @@ def _graph_time(
     with torch.cuda.graph(graph):
         for _ in range(calls):
             flush.max()
-            for t in warm:
-                t.max()
             fn()
     graph.replay()
     times = []
@@ -847,10 +842,9 @@ def _graph_time(
     return sorted(times)[len(times) // 2]
 
 
-def tune_cached(key: tuple, candidates: list, run: Callable, warm: tuple = ()) -> object:
+def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
     """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key
-    with its inputs ``warm`` in the L2 (``_graph_time``; candidates that fail to compile, e.g.
-    out of shared memory, are skipped)."""
+    (candidates that fail to compile, e.g. out of shared memory, are skipped)."""
     if key not in _TUNED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -860,7 +854,7 @@ def tune_cached(key: tuple, candidates: list, run: Callable, warm: tuple = ()) -
         times = {}
         for c in candidates:
             try:
-                times[c] = _graph_time(lambda c=c: run(c), warm=warm)
+                times[c] = _graph_time(lambda c=c: run(c))
             except (triton.runtime.errors.OutOfResources, triton.CompilationError):
                 continue
         if not times:
@@ -896,7 +890,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
         m = x.shape[0]
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                torch.cuda.get_device_name(x.device))  # fmt: skip
-        config = tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c), (x,))
+        config = tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
     return _run(x, w, config)
 
 

@@ -572,22 +572,21 @@ def fused_moe(
         if interpreted():
             configs = (MoeConfig(block_n=32), MoeConfig(block_n=32))
         else:
-            configs = _tune(x, w13, w2, num_pairs, num_experts, run, (x, topk_weights, topk_ids))
+            configs = _tune(x, w13, w2, num_pairs, num_experts, run)
     return run(configs)
 
 
-def _tune(x, w13, w2, num_pairs, num_experts, run, warm) -> tuple[MoeConfig, MoeConfig]:
-    """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile
-    (the routing's tensors and ``x`` ``warm`` in the L2, as the kernels before leave them)."""
+def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig]:
+    """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile."""
     kind = "int4" if isinstance(w13, W4A16Weight) else "bf16"
     shape = (x.shape[0], num_experts, tuple(x.shape[1:]), kind, torch.cuda.get_device_name())
     tiles = _candidates(num_pairs, num_experts)
     mid = tiles[len(tiles) // 2]
     int4 = kind == "int4"
     up_cands = _candidates(num_pairs, num_experts, _num_columns(w13), int4)
-    up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run, warm)[0]
+    up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run)[0]
     down_cands = _candidates(num_pairs, num_experts, _num_columns(w2), int4)
-    return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run, warm)
+    return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run)
 
 
 def fused_moe_reference(
