@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 GEMM_SIGNATURE = {
     "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
+    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "split_k": "i32",
     "stride_xm": "i32", "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
 MOE_SIGNATURE = {
@@ -42,7 +42,7 @@ MOE_SIGNATURE = {
     "split_k": "i32", "sum_rows": "i32", "stride_xm": "i32", "stride_we": "i32",
     "stride_wk": "i32", "stride_se": "i32", "stride_sk": "i32",
 }  # fmt: skip
-GEMV_SIGNATURE = {**GEMM_SIGNATURE, "out_ptr": "*fp32"}  # split K adds into fp32
+GEMV_SIGNATURE = GEMM_SIGNATURE
 NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x", "sum_rows"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
     (16, 64, 128, 4, 4),
@@ -65,21 +65,24 @@ def compile_cubin(
     bm, bn, group, warps, *rest = cfg
     stages = rest[0] if rest else 4
     block_k = rest[1] if len(rest) > 1 else 128
+    # every constexpr given (Triton builds a kernel from source only so); K split and counted
+    # in the launch, launched dependently, as the tuner's decode picks run
     common = {
         "GROUP": group, "HAS_ZEROS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k,
-        "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap,
+        "FAST": fast, "EVEN_K": True, "EVEN_N": True, "SWAP": swap, "COUNTED": True,
+        "FENCE": True, "PDL": 1,
     }  # fmt: skip
-    if gemv:  # the tuner's choice at M = 1: K split, fp32 atomics
+    if gemv:
         fn, sig = _w4a16_gemv_kernel, GEMV_SIGNATURE
         constexprs = {"GROUP": group, "HAS_ZEROS": False, "BLOCK_N": bn, "BLOCK_R": block_k // 8,
-                      "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True}  # fmt: skip
+                      "SPLIT": True, "FAST": fast, "EVEN_K": True, "EVEN_N": True,
+                      "COUNTED": True, "FENCE": True, "PDL": 1}  # fmt: skip
     elif moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
-        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu,
-                      "COUNTED": False, "FENCE": True}  # fmt: skip
+        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu}
     else:
         fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
-        constexprs = {**common, "SPLIT": False}
+        constexprs = {**common, "SPLIT": True}
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
