@@ -8,7 +8,11 @@ Profiles the GEMM at M = 1, 16384 x 7168, group 128, on both paths the v5 tuner 
 columns and 8 K splits), and the MoE up GEMM at one token (Kimi-like experts, group 32).
 With ``--slice``: the decode slice's INT4 linears at one token (Kimi K2's, group 32), each as
 the tuner runs it (every launch of the call), with each call's CUDA-graph
-time printed. Compilation, tuning and a warm-up run happen before the profiler starts.
+time printed. With ``--groups``: Kimi K2's MoE up GEMM (384 experts, 7168 -> 2 x 2048, SiLU
+epilogue) at 4 rows an expert on one tile, with group 32 and with group 128 experts: the same
+launches and codes (group 32 carries 9% more bytes in its scales), so the two profiles differ
+by the group-32 decode.
+Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
 from __future__ import annotations
@@ -48,9 +52,36 @@ def profile_slice_linears() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def profile_group_sizes() -> None:
+    experts, hidden, inter, top_k, rows = 384, 7168, 2048, 8, 4
+    tokens = rows * experts // top_k
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    cfg = MoeConfig(8, 128, 128, 4, 4, swap=True)
+    pair_ids, block_expert = align_to_experts(ids, experts, cfg.block_m)
+    calls = []
+    for group in (32, 128):
+        ws = [random_int4((experts,), 2 * inter, hidden, group) for _ in range(2)]
+        t = graph_time_us(lambda i, ws=ws: moe_gemm(x, ws[i], pair_ids, block_expert,
+                                                    tokens * top_k, top_k, cfg, silu_mul=True),
+                          len(ws))  # fmt: skip
+        print(f"group {group}: up GEMM {t:7.1f} us at {rows} rows an expert, {cfg}", flush=True)
+        calls.append(lambda w=ws[0]: moe_gemm(x, w, pair_ids, block_expert, tokens * top_k,
+                                              top_k, cfg, silu_mul=True))  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main() -> None:
     if "--slice" in sys.argv:
         profile_slice_linears()
+        return
+    if "--groups" in sys.argv:
+        profile_group_sizes()
         return
     w = random_int4((), 16384, 7168, 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
