@@ -49,7 +49,7 @@ from .mla_decode_wgmma import (
     CONSUMER_ONLY,
     PRODUCER_ONLY,
     _load_q,
-    _max_pair,
+    _softmax_step,
     _split_range,
     _store_partial,
     _tile_entry,
@@ -292,18 +292,7 @@ def _probabilities(s, scale, mask, q_unit, sm_scale_log2e, m, l_rows, acc_unit):
     running max and row sums."""
     mma: gl.constexpr = l_rows.type.layout
     s = _halves_sum(s, mma) * q_unit[None, :]
-    s = s * (scale * sm_scale_log2e)[:, None]
-    s = gl.where(mask[:, None], s, float("-inf"))
-
-    s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
-    m_new = gl.maximum(m, s_top)
-    alpha = gl.exp2(m - m_new)
-    p = gl.exp2(s - m_new[None, :])
-    l_rows = l_rows * alpha[None, :] + p
-    v_top = gl.maximum(v_top, 1e-30) / 256.0
-    p = p * scale[:, None] / v_top[None, :]
-    alpha = alpha * (acc_unit / v_top)
-    return p, alpha, v_top, m_new, l_rows
+    return _softmax_step(s, scale, mask, sm_scale_log2e, m, l_rows, acc_unit, 256.0)
 
 
 @gluon.jit

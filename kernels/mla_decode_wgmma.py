@@ -222,6 +222,29 @@ def _max_pair(a, b, c, d):
 
 
 @gluon.jit
+def _softmax_step(s, scale, mask, sm_scale_log2e, m, l_rows, acc_unit, V_LIFT: gl.constexpr):
+    """A tile's online softmax over its raw scores ``s`` (tokens as rows, in the MMA layout of
+    ``l_rows``), each token's KV ``scale`` folded into its score and into p, which is relative
+    to the tile's largest V scale divided by ``V_LIFT``: (p, the factor that re-bases the
+    output, the output's new unit, the running max, the row sums)."""
+    s = s * (scale * sm_scale_log2e)[:, None]
+    s = gl.where(mask[:, None], s, float("-inf"))
+    # one pass across the warps for both maxima (the scores' and the V scales'); the row sums
+    # stay per thread until the end (three reductions a tile were 1.14x the time)
+    s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
+    m_new = gl.maximum(m, s_top)
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_rows = l_rows * alpha[None, :] + p
+    v_top = gl.maximum(v_top, 1e-30)
+    if V_LIFT != 1.0:
+        v_top = v_top / V_LIFT
+    p = p * scale[:, None] / v_top[None, :]
+    alpha = alpha * (acc_unit / v_top)
+    return p, alpha, v_top, m_new, l_rows
+
+
+@gluon.jit
 def _consumer(
     KV_SCALE, indices, row, start, end, stride_s_slot, sm_scale_log2e, q_lat_s, q_rope_s,
     k_lat_all, k_rope_all, p_all, full, empty, part_out, part_lse, b, split, hb, num_heads,
@@ -264,23 +287,10 @@ def _consumer(
             entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, tok_l, PAGE_SIZE,
                                 ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = s * (scale * sm_scale_log2e)[:, None]
-            s = gl.where(mask[:, None], s, float("-inf"))
-
-            # one pass across the warps for both maxima (the scores' and the V scales'); the
-            # row sums stay per thread until the end (three reductions a tile were 1.14x the
-            # time)
-            s_top, v_top = gl.reduce((s, gl.broadcast(scale[:, None], s)[0]), 0, _max_pair)
-            m_new = gl.maximum(m, s_top)
-            alpha = gl.exp2(m - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            l_rows = l_rows * alpha[None, :] + p
             # V scales go into p relative to the tile's largest; the accumulator is re-based on
             # it
-            v_top = gl.maximum(v_top, 1e-30)
-            p = p * scale[:, None] / v_top[None, :]
-            alpha = alpha * (acc_unit / v_top)
-            acc_unit = v_top
+            p, alpha, acc_unit, m_new, l_rows = _softmax_step(s, scale, mask, sm_scale_log2e, m,
+                                                              l_rows, acc_unit, 1.0)  # fmt: skip
             p_s = p_all.index(buf)
             p_s.store(p.to(gl.float16))
             fence_async_shared()
