@@ -34,6 +34,16 @@ def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
     return W4A16Weight(qweight, scales, None, group)
 
 
+def profile_once(calls) -> None:
+    """Each call once between the profiler's start and stop (compiled and tuned before)."""
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def profile_slice_linears() -> None:
     calls = []
     for n, k in SLICE_LINEARS:
@@ -44,12 +54,7 @@ def profile_slice_linears() -> None:
         print(f"N {n:5d} K {k:5d}: {t:6.1f} us a call (graph), {n * k / 2 / t / 1e6:.2f} TB/s "
               f"of codes, tuned {cfg}", flush=True)  # fmt: skip
         calls.append(lambda x=x, w=ws[0]: w4a16_matmul(x, w))
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(calls)
 
 
 def profile_group_sizes() -> None:
@@ -68,12 +73,7 @@ def profile_group_sizes() -> None:
         print(f"group {group}: up GEMM {t:7.1f} us at {rows} rows an expert, {cfg}", flush=True)
         calls.append(lambda w=ws[0]: moe_gemm(x, w, pair_ids, block_expert, tokens * top_k,
                                               top_k, cfg, silu_mul=True))  # fmt: skip
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(calls)
 
 
 def main() -> None:
@@ -100,11 +100,7 @@ def main() -> None:
         moe_gemm(xm, w13, pair_ids, block_expert, 8, 8, moe_cfg, silu_mul=True)
 
     run()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once([run])
 
 
 if __name__ == "__main__":
