@@ -447,7 +447,6 @@ MLA_PEER_VARIANTS = {
     # the register one on 128-token tiles, each side alone
     "e4m3_128_producer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=1)),
     "e4m3_128_consumer_only": ("fp8", replace(MLA_FP8_E4M3_128, only=2)),
-    # ... each slot back before the tile's softmax, the producer holding nothing
     # the mixes (balanced splits): the Gluon kernel's splits always planned for one wave, beside
     # the default's one or two (plan_balanced_waves)
     "wgmma_one_wave": ("fp8", replace(MLA_FP8_WGMMA, balanced_waves=1)),

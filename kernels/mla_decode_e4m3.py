@@ -80,17 +80,24 @@ def _consumer_warps(BLOCK_N):
 
 
 @constexpr_function
+def _staged(BLOCK_N):
+    """Whether the producer loads each tile's first half into registers before its slot is
+    free (``_produce``): on 128-token tiles, whose ring has one tile in flight."""
+    return BLOCK_N == 128
+
+
+@constexpr_function
 def _producer_registers(BLOCK_N):
     """The producer issues copies; holding half a tile (36 KB) takes 72 registers a thread
     more."""
-    return 128 if BLOCK_N == 128 else 64
+    return 128 if _staged(BLOCK_N) else 64
 
 
 @constexpr_function
 def _loaded_arrivals(BLOCK_N):
     """Arrivals that mark a slot loaded: each producer thread's copies (PRODUCER_THREADS), and
     where the tile's first half was held in registers one more, once all have stored it."""
-    return 128 + (BLOCK_N == 128)
+    return PRODUCER_THREADS.value + _staged(BLOCK_N)
 
 
 @gluon.jit
@@ -236,7 +243,7 @@ def _produce(
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     # 128-token tiles have two slots, one tile in flight: their first half is loaded into
     # registers before the slot is free, so that half a tile more is in flight
-    STAGED: gl.constexpr = BLOCK_N == 128
+    STAGED: gl.constexpr = _staged(BLOCK_N)
     HALF: gl.constexpr = BLOCK_N // 2
     lat_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # a row a warp
     rope_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -487,9 +494,7 @@ def _slots(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE
 
 
 @gluon.jit
-def _ring(
-    BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
-):  # fmt: skip
+def _ring(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
     """``_slots``, each slot's KV scales and the slots' barriers: loaded (its copies landed,
     every producer thread's), empty (the output product done with it)."""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
