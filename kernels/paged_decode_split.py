@@ -1069,14 +1069,10 @@ def paged_decode(
 
     if v_from_k and (cfg.wgmma or cfg.e4m3):
         if cfg.e4m3:
-            if cfg.e4m3_in_place:
-                mla_fp8_e4m3_inplace_kernel[(programs, splits)](
-                    ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
-                )
-            else:
-                mla_fp8_e4m3_kernel[(programs, splits)](
-                    ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
-                )
+            kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
+            kernel[(programs, splits)](
+                ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+            )
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")

@@ -818,7 +818,8 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     the L2's size. Timed side by side with the bench's cycled weight sets on the decode slice's
     seven linears (bench/results/w4a16_gemm_tuner_flush.json): with a memset as the flush the
     tuner's picks were 3.2 us slower in all than the fastest at one token (1.2-1.5 us on two
-    linears), with the read 0.5 us; at 16 tokens -0.1 and 0.7 us. Reading the activations back
+    linears), with the read 0.5 us (1.0 on a later machine start); at 16 tokens -0.1 and 0.7
+    (0.0) us. Reading the activations back
     into the L2 after it changed no pick beyond that spread (w4a16_gemm_tuner_warm.json).
     Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
     choices became noise)."""

@@ -60,16 +60,14 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("heads", [8, 16, 20])
 @pytest.mark.parametrize(
     "config",
-    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE,
-     MLA_FP8_E4M3_STREAM],
+    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_STREAM],
     ids=["regs", "regs_128", "in_place", "stream"],
 )
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
     """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, on 64-
     or 128-token tiles, or written over the tile by the producer; the first on the stream
-    schedule too): the
-    same edge lengths (around 128-token tiles too), head counts and page tables as the widening
-    kernel, the same tolerance."""
+    schedule too): the same edge lengths (around 128-token tiles too), head counts and page
+    tables as the widening kernel, the same tolerance."""
     run_mla("fp8", [1, 63, 64, 65, 127, 129, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
