@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from accuracy import rel_l2
+from decode_slice_plan import CONTEXT_MIX
 from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
@@ -56,6 +57,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
+    MLA_HEADS_M_STREAM,
     MLA_HEADS_TRITON,
     DecodeConfig,
 )
@@ -466,6 +468,10 @@ MLA_WIDE_PEER_VARIANTS = {  # 64+ heads; the default is the Gluon heads-as-M ker
     "t64": ("bf16", DecodeConfig(64, 64, 8, 2, True, 1, whole_waves=True, tokens_as_m=True)),
     # the mixes: splits planned for two waves where one wave's plan overflows
     "heads_m_2w": ("both", replace(MLA_HEADS_M, balanced_waves=2)),
+    # the kernel on split plans and on the stream schedule (mla_stream.py), each timed
+    # everywhere: the default takes the stream where the lengths are known to be uneven
+    "heads_m": ("both", MLA_HEADS_M),
+    "heads_m_stream": ("both", MLA_HEADS_M_STREAM),
 }
 
 
@@ -473,7 +479,7 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
     """(heads, batch, ctx, lens or None, with variants): first the shapes the targets name (with
     the variants), then 8/16/64/128 heads over batch 1-256 and context 1k-32k, and the decode
     slice's mix of lengths (bench/decode_slice_plan.py's CONTEXT_MIX)."""
-    mix = (1024, 2048, 4096, 8192)
+    mix = CONTEXT_MIX
     named = [
         (16, 64, 4096, None),
         (16, 64, 16384, None),
@@ -511,7 +517,7 @@ def mla_peer_grid(quick: bool) -> list[tuple[int, int, int, tuple[int, ...] | No
 
 
 def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=(), shapes=()) -> None:
-    grid = [(*shape, None, True) for shape in shapes] or mla_peer_grid(quick)
+    grid = [(*shape, True) for shape in shapes] or mla_peer_grid(quick)
     for heads, batch, ctx, mix, named in grid:
         if heads < min_heads:
             continue
@@ -523,7 +529,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=(), shape
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
             keep = ("triton", "wgmma", "e4m3", "e4m3_128", "e4m3_in_place", "e4m3_stream",
-                    "triton64")
+                    "triton64", "heads_m", "heads_m_stream")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:
@@ -691,8 +697,9 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="--mla-peers: only these variants (comma-separated) beside the defaults")
     ap.add_argument("--shapes", default="",
-                    help="--mla-peers: these HEADSxBATCHxCONTEXT shapes (comma-separated, equal "
-                         "lengths) instead of the grid")  # fmt: skip
+                    help="--mla-peers: these HEADSxBATCHxCONTEXT shapes (comma-separated; "
+                         "CONTEXT 'mix': the decode slice's mix of lengths) instead of the "
+                         "grid")  # fmt: skip
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -739,7 +746,7 @@ def main() -> None:
 
     if args.mla_peers:
         only = tuple(filter(None, args.only.split(",")))
-        shapes = [tuple(map(int, s.split("x"))) for s in filter(None, args.shapes.split(","))]
+        shapes = [_shape(s) for s in filter(None, args.shapes.split(","))]
         mla_peers(copy_bw, flashmla, sglang, args.quick, add, args.min_heads, only, shapes)
         print("\n".join(_peer_line(r) for r in rows))
         return
@@ -769,6 +776,15 @@ def main() -> None:
     print("\n".join([f"copy bandwidth {copy_bw / 1e12:.2f} TB/s"]
                     + [_gqa_line(r) if r["kind"] == "gqa" else _mla_line(r)
                        for r in rows if r["kind"] in ("gqa", "mla")]))  # fmt: skip
+
+
+def _shape(text: str) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """``HEADSxBATCHxCONTEXT`` -> (heads, batch, context, None); CONTEXT ``mix`` -> (heads,
+    batch, 0, the decode slice's mix of lengths)."""
+    heads, batch, ctx = text.split("x", 2)
+    if ctx == "mix":
+        return int(heads), int(batch), 0, CONTEXT_MIX
+    return int(heads), int(batch), int(ctx), None
 
 
 def _write_line(r):

@@ -30,7 +30,7 @@ from pathlib import Path
 import triton
 from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel, mla_fp8_e4m3_stream_kernel
 from tessera.kernels.mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
-from tessera.kernels.mla_decode_heads import mla_heads_kernel
+from tessera.kernels.mla_decode_heads import mla_heads_kernel, mla_heads_stream_kernel
 from tessera.kernels.mla_decode_wgmma import mla_fp8_wgmma_kernel
 from tessera.kernels.paged_decode_split import (
     MLA_FP8_TRITON,
@@ -92,12 +92,13 @@ def gluon_report(
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
     ``mla_decode_e4m3_inplace.py``), from 64 heads the
     heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8); with ``stream_batch`` the e4m3
-    kernel on the stream schedule (``mla_stream.py``) for batches of up to that many requests;
+    kernel (from 64 heads the heads-as-M one) on the stream schedule (``mla_stream.py``) for
+    batches of up to that many requests;
     with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups).
     Its shared memory in bytes, registers and stack (``resources``), each partition's register
     limit (``setmaxnreg``), whether its SASS has wgmma, how many spill instructions, and the
     opcodes of its longest loop (``loop``) and of its tile loop (``tile_loop``: the innermost
-    one with an MMA).
+    one with an MMA: e4m3's ``QGMMA``, else ``HGMMA``).
     ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
     constexprs = {"PAGE_SIZE": page_size, "ENTRIES_PER_PAGE": entries_per_page,
                   "LENS_ARE_ENDS": entries_per_page > 1, "BALANCED": balanced, "D": 512,
@@ -113,9 +114,9 @@ def gluon_report(
             num_warps, constexprs["BLOCK_N"] = 8, 128
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if stream_batch:
-        fn = mla_fp8_e4m3_stream_kernel
+        fn = mla_heads_stream_kernel if heads >= 64 else mla_fp8_e4m3_stream_kernel
         del constexprs["BALANCED"]
-        constexprs["BATCH_P2"] = max(128, triton.next_power_of_2(stream_batch))
+        constexprs["BATCH_P2"] = max(32 * num_warps, triton.next_power_of_2(stream_batch))
         pointers, scalars, strides = STREAM_POINTERS, STREAM_SCALARS, STREAM_STRIDES
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",
              "seq_lens": "*i32", "indptr": "*i32", "indices": "*i32", "part_out": "*fp32",
@@ -130,12 +131,13 @@ def gluon_report(
         path.write_bytes(kernel.asm["cubin"])
         listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
                                  capture_output=True, text=True).stdout  # fmt: skip
+        mma = "QGMMA" if e4m3 else "HGMMA"
         return {"shared": kernel.metadata.shared, "resources": resources(path),
                 "wgmma": bool(re.search(r"\b[HQ]GMMA\b", listing)),  # fp16/bf16 or e4m3
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
                 "loop": dict(loop_opcodes(path).most_common()),
-                "tile_loop": dict(loop_opcodes(path, "QGMMA").most_common())}  # fmt: skip
+                "tile_loop": dict(loop_opcodes(path, mma).most_common())}  # fmt: skip
 
 
 def main() -> None:

@@ -586,7 +586,7 @@ def _stream_producer(
     it = 0
     while t < hi:
         b, row, start, end, first, last = stream_piece(
-            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, 4
         )
         it = _produce(KV, KV_SCALE, indices, row, start, end, it, stride_kv_slot,
                       stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
@@ -611,7 +611,7 @@ def _stream_consumer(
     it = 0
     while t < hi:
         b, row, start, end, first, last = stream_piece(
-            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, 4
         )
         # (the last piece's products, which read q, are done)
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
@@ -670,7 +670,7 @@ def mla_fp8_e4m3_stream_kernel(
     gl.static_assert(BLOCK_N == 64, "one warpgroup's MMA has M = 64")
     program = gl.program_id(0)
     hb = gl.program_id(1)
-    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2)
+    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, 4)
     lo, hi = stream_run(total, gl.num_programs(0), program)
     qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)

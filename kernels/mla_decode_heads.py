@@ -42,6 +42,7 @@ from .mla_decode_wgmma import (
     _tile_slots,
     _widen,
 )
+from .mla_stream import stream_ends, stream_piece, stream_run
 
 # Gluon's API moves between releases: Triton 3.9 renamed async_copy_global_to_shared and
 # thread_barrier (3.6, the GPU image's) to async_load and barrier
@@ -105,57 +106,19 @@ def _store_fp8_tile(words, buf_lat_w, buf_rope_w, D: gl.constexpr):
     buf_rope_w.store(_widen(rope))
 
 
+# the layouts of the scores ([64 heads, 64 tokens], each warpgroup 32 tokens) and of the
+# output ([64 heads, 512], each warpgroup 256 dims)
+MMA_S = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                               instr_shape=[16, 32, 16]))  # fmt: skip
+MMA_O = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                               instr_shape=[16, 256, 16]))  # fmt: skip
+WARPS = gl.constexpr(8)
+
+
 @gluon.jit
-def mla_heads_kernel(
-    Q,
-    KV,
-    KV_SCALE,
-    seq_lens,
-    indptr,
-    indices,
-    part_out,
-    part_lse,
-    sm_scale_log2e,
-    num_splits,
-    fixed_split_len,
-    head_blocks,
-    num_heads,
-    stride_qb,
-    stride_qh,
-    stride_kv_slot,
-    stride_s_slot,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr,
-    LENS_ARE_ENDS: gl.constexpr,
-    BALANCED: gl.constexpr,
-    FP8: gl.constexpr,
-    D: gl.constexpr,
-    D_ROPE: gl.constexpr,
-):
-    """Stage 1 over 64 heads a program, 8 warps; ``FP8``: e4m3 pages with per-token scales."""
-    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
-    gl.static_assert(D == 512, "the output's two halves are 256 dims, one MMA's N")
+def _buffers(FP8: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
+    """The program's shared memory: the query's two parts, two tile buffers and p."""
     dt: gl.constexpr = gl.float16 if FP8 else gl.bfloat16
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16]
-    )
-    head_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-    tok_s: gl.constexpr = gl.SliceLayout(0, mma_s)
-    head_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    hb = pid % head_blocks
-    b = pid // head_blocks
-    row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
-                                   LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
-
     lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dt)
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
     k_lat_all = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], lat_sl)
@@ -163,6 +126,26 @@ def mla_heads_kernel(
     p_s = gl.allocate_shared_memory(
         dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dt)
     )
+    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl)
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl)
+    return q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s
+
+
+@gluon.jit
+def _attend(
+    Q, KV, KV_SCALE, indices, row, b, hb, start, end, sm_scale_log2e, num_heads, stride_qb,
+    stride_qh, stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, FP8: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr,
+):  # fmt: skip
+    """Request ``b``'s tokens ``[start, end)`` (its table row at ``row``) for head block ``hb``:
+    its query into shared memory, then every tile. Returns the output over ``acc_unit`` (in
+    ``MMA_O``), ``acc_unit``, the heads' running maxima and their softmax sums. The caller makes
+    sure no product of an earlier call still reads the buffers."""
+    dt: gl.constexpr = gl.float16 if FP8 else gl.bfloat16
+    head_s: gl.constexpr = gl.SliceLayout(1, MMA_S)
+    tok_s: gl.constexpr = gl.SliceLayout(0, MMA_S)
+    head_o: gl.constexpr = gl.SliceLayout(1, MMA_O)
     # the first tile's loads go out before the query's, so their latencies overlap
     tiles = gl.cdiv(end - start, BLOCK_N)
     if FP8:
@@ -183,16 +166,16 @@ def mla_heads_kernel(
                     mask=q_mask, other=0.0)  # fmt: skip
     q_rope = gl.load(q_rows + D + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_l))[None, :],
                      mask=q_mask, other=0.0)  # fmt: skip
-    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl, q_lat.to(dt))
-    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl, q_rope.to(dt))
+    q_lat_s.store(q_lat.to(dt))
+    q_rope_s.store(q_rope.to(dt))
     if FP8:
         _store_fp8_tile(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
         words = _load_fp8_tile(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
                             PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
-    l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s)  # the softmax's sums, unsummed
-    acc = gl.zeros([BLOCK_H, D], gl.float32, mma_o)
+    l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)  # the softmax's sums, unsummed
+    acc = gl.zeros([BLOCK_H, D], gl.float32, MMA_O)
     # FP8: acc is the output over the last tile's largest V scale
     acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_s)
     n0 = start
@@ -210,7 +193,7 @@ def mla_heads_kernel(
                        D_ROPE)  # fmt: skip
         k_lat_s = k_lat_all.index(buf)
         s = warpgroup_mma(q_lat_s, k_lat_s.permute((1, 0)),
-                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_s), use_acc=False,
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S), use_acc=False,
                           is_async=True)  # fmt: skip
         s = warpgroup_mma(q_rope_s, k_rope_all.index(buf).permute((1, 0)), s, is_async=True)
         offs = n0 + gl.arange(0, BLOCK_N, layout=tok_s)
@@ -258,18 +241,146 @@ def mla_heads_kernel(
         n0 += BLOCK_N
     if not FP8:
         async_copy.wait_group(0)  # the copy issued past the last tile (all masked)
+    return acc, acc_unit, m, gl.sum(l_rows, axis=1)
 
-    l = gl.sum(l_rows, axis=1)
-    empty = l == 0.0  # a split past the request's end
+
+@gluon.jit
+def _out_rows(hb, D: gl.constexpr):
+    """The program's heads and the output's dims, in ``MMA_O``'s row and column layouts."""
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_O))
+    return ho, gl.arange(0, D, layout=gl.SliceLayout(0, MMA_O))
+
+
+@gluon.jit
+def _store_partial(
+    acc, acc_unit, m, l, part_out, part_lse, p, slot, hb, num_heads, stride_pb, stride_ph,
+    stride_ps, D: gl.constexpr,
+):  # fmt: skip
+    """A partial output (``_attend``'s) and its log-sum-exp at ``[p, heads, slot]``. Stored
+    from the MMA's layout (a 128 KB layout change would need the buffers' shared memory); a
+    part past the request's end (no tokens) stores only its log-sum-exp, which the merge reads
+    first (its 128 KB of zeros were as many bytes as a split's tokens in the mixes)."""
+    empty = l == 0.0
     lse = gl.where(empty, float("-inf"), m + gl.log2(gl.where(empty, 1.0, l)))
-    scale_o = gl.convert_layout(acc_unit / gl.where(empty, 1.0, l), head_o)
-    # stored from the MMA's layout (a 128 KB layout change would need the buffers' shared
-    # memory); a split past the request's end stores only its log-sum-exp, which the merge
-    # reads first (its 128 KB of zeros were as many bytes as a split's tokens in the mixes)
-    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
-    part = part_out + b * stride_pb + split * stride_ps + ho[:, None] * stride_ph
-    gl.store(part + dims[None, :], acc * scale_o[:, None],
-             mask=(ho < num_heads)[:, None] & (tiles > 0))  # fmt: skip
-    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
-    gl.store(part_lse + (b * stride_pb + hl * stride_ph) // D + split, lse, mask=hl < num_heads)
+    scale_o = gl.convert_layout(acc_unit / gl.where(empty, 1.0, l), gl.SliceLayout(1, MMA_O))
+    ho, dims = _out_rows(hb, D)
+    part = part_out + p * stride_pb + slot * stride_ps + ho[:, None] * stride_ph
+    written = (ho < num_heads) & ~gl.convert_layout(empty, gl.SliceLayout(1, MMA_O))
+    gl.store(part + dims[None, :], acc * scale_o[:, None], mask=written[:, None])
+    hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_S))
+    gl.store(part_lse + (p * stride_pb + hl * stride_ph) // D + slot, lse, mask=hl < num_heads)
+
+
+@gluon.jit
+def mla_heads_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    num_splits,
+    fixed_split_len,
+    head_blocks,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BALANCED: gl.constexpr,
+    FP8: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+):
+    """Stage 1 over 64 heads a program, one program per (request, head block, split), 8 warps;
+    ``FP8``: e4m3 pages with per-token scales."""
+    gl.static_assert(gl.num_warps() == WARPS, "two warpgroups")
+    gl.static_assert(D == 512, "the output's two halves are 256 dims, one MMA's N")
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    hb = pid % head_blocks
+    b = pid // head_blocks
+    row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
+                                   LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
+    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s = _buffers(FP8, D, D_ROPE)
+    acc, acc_unit, m, l = _attend(Q, KV, KV_SCALE, indices, row, b, hb, start, end,
+                                  sm_scale_log2e, num_heads, stride_qb, stride_qh,
+                                  stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all,
+                                  k_rope_all, p_s, PAGE_SIZE, ENTRIES_PER_PAGE, FP8, D,
+                                  D_ROPE)  # fmt: skip
+    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
+                   stride_ph, stride_ps, D)  # fmt: skip
+
+
+@gluon.jit
+def mla_heads_stream_kernel(
+    Q,
+    KV,
+    KV_SCALE,
+    seq_lens,
+    indptr,
+    indices,
+    out,
+    part_out,
+    part_lse,
+    sm_scale_log2e,
+    batch,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_slot,
+    stride_s_slot,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    PAGE_SIZE: gl.constexpr,
+    ENTRIES_PER_PAGE: gl.constexpr,
+    LENS_ARE_ENDS: gl.constexpr,
+    BATCH_P2: gl.constexpr,
+    FP8: gl.constexpr,
+    D: gl.constexpr,
+    D_ROPE: gl.constexpr,
+):
+    """``mla_heads_kernel`` on the stream schedule (``mla_stream``): program ``(p, hb)`` runs
+    head block ``hb`` over run ``p`` of the batch's tiles, piece after piece; a whole request's
+    output goes to ``out``, a cut piece's to ``part_out[p, heads, slot]``
+    (``[programs, num_heads, 2, D]``) and ``part_lse``."""
+    gl.static_assert(gl.num_warps() == WARPS, "two warpgroups")
+    gl.static_assert(D == 512, "the output's two halves are 256 dims, one MMA's N")
+    program = gl.program_id(0)
+    hb = gl.program_id(1)
+    ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, WARPS)
+    lo, hi = stream_run(total, gl.num_programs(0), program)
+    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s = _buffers(FP8, D, D_ROPE)
+    t = lo
+    while t < hi:
+        b, row, start, end, first, last = stream_piece(
+            ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, WARPS
+        )
+        _barrier()  # both warpgroups' products of the last piece are done with the buffers
+        acc, acc_unit, m, l = _attend(Q, KV, KV_SCALE, indices, row, b, hb, start, end,
+                                      sm_scale_log2e, num_heads, stride_qb, stride_qh,
+                                      stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s,
+                                      k_lat_all, k_rope_all, p_s, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                      FP8, D, D_ROPE)  # fmt: skip
+        if (first >= lo) & (last <= hi):
+            ho, dims = _out_rows(hb, D)
+            o = acc * gl.convert_layout(acc_unit / l, gl.SliceLayout(1, MMA_O))[:, None]
+            dst = out + b * stride_ob + ho[:, None] * stride_oh + dims[None, :]
+            gl.store(dst, o.to(out.dtype.element_ty), mask=(ho < num_heads)[:, None])
+        else:
+            _store_partial(acc, acc_unit, m, l, part_out, part_lse, program,
+                           (first >= lo).to(gl.int32), hb, num_heads, stride_pb, stride_ph,
+                           stride_ps, D)  # fmt: skip
+        t = gl.minimum(last, hi)

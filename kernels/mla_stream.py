@@ -15,9 +15,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.runtime.jit import constexpr_function
 
-# the batch's lengths, one thread each (both partitions of the warp-specialized kernels run 4 warps)
-_BATCH_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+@constexpr_function
+def _batch_layout(WARPS):
+    """The batch's lengths, one thread each, over the ``WARPS`` warps that read them (4 in both
+    partitions of the warp-specialized kernels, 8 in the heads-as-M one)."""
+    return gl.BlockedLayout([1], [32], [WARPS], [0])
 
 
 @gluon.jit
@@ -28,11 +33,11 @@ def _add(a, b):
 @gluon.jit
 def stream_ends(
     seq_lens, indptr, batch, LENS_ARE_ENDS: gl.constexpr, BLOCK_N: gl.constexpr,
-    BATCH_P2: gl.constexpr,
+    BATCH_P2: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
     """Each request's end in the stream, in tiles, in shared memory, and the stream's length.
     Called before the kernel splits into partitions, which then read the ends."""
-    idx = gl.arange(0, BATCH_P2, layout=_BATCH_L)
+    idx = gl.arange(0, BATCH_P2, layout=_batch_layout(WARPS))
     valid = idx < batch
     lens = gl.load(seq_lens + idx, mask=valid, other=0).to(gl.int32)
     if LENS_ARE_ENDS:
@@ -56,13 +61,13 @@ def stream_run(total, programs, program):
 @gluon.jit
 def stream_piece(
     ends_s, t, hi, seq_lens, indptr, LENS_ARE_ENDS: gl.constexpr, BLOCK_N: gl.constexpr,
-    BATCH_P2: gl.constexpr,
+    BATCH_P2: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
     """The piece of a run that starts at stream tile ``t`` and ends at ``hi`` or its request's
     end: (request, its first table entry, the piece's token range ``[start, end)``, the
     request's first and end tiles in the stream)."""
-    ends = ends_s.load(_BATCH_L)
-    idx = gl.arange(0, BATCH_P2, layout=_BATCH_L)
+    ends = ends_s.load(_batch_layout(WARPS))
+    idx = gl.arange(0, BATCH_P2, layout=_batch_layout(WARPS))
     b = gl.sum((ends <= t).to(gl.int32), axis=0)  # requests ending by t (the empty ones too)
     last = gl.sum(gl.where(idx == b, ends, 0), axis=0)
     first = gl.sum(gl.where(idx == b - 1, ends, 0), axis=0)

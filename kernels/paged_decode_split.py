@@ -30,7 +30,7 @@ import triton.language as tl
 from .decode_split_range import split_range as _split_range
 from .mla_decode_e4m3 import mla_fp8_e4m3_kernel, mla_fp8_e4m3_stream_kernel
 from .mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
-from .mla_decode_heads import mla_heads_kernel
+from .mla_decode_heads import mla_heads_kernel, mla_heads_stream_kernel
 from .mla_decode_wgmma import mla_fp8_wgmma_kernel
 from .paged_kv import PageTable
 
@@ -113,6 +113,12 @@ MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
 MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
+# The heads-as-M kernel on the stream schedule: the default from 64 heads where the batch's
+# lengths are known to be uneven (``prefers_stream``), for up to HEADS_STREAM_MAX_BATCH requests.
+MLA_HEADS_M_STREAM = replace(MLA_HEADS_M, stream=True)
+# the most requests it takes: their tile ends (4 bytes each, 2 KB here) fill the 227 KB of an SM's
+# shared memory beside the query, two tiles and p (224 KB)
+HEADS_STREAM_MAX_BATCH = 512
 # From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
 # Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
@@ -147,15 +153,30 @@ UNEVEN_SHARE = 0.75
 STREAM_MIN_TOKENS = 98304
 
 
-def prefers_stream(total_tokens: int | None, batch: int, max_seq_len: int) -> bool:
-    """Whether the stream schedule is the faster one: the batch fits it, and its total is known,
-    large enough, and well below batch x the longest length (uneven lengths)."""
+def prefers_stream(
+    total_tokens: int | None, batch: int, max_seq_len: int, max_batch: int = STREAM_MAX_BATCH
+) -> bool:
+    """Whether the stream schedule is the faster one: the batch fits it (at most ``max_batch``
+    requests), and its total is known, large enough, and well below batch x the longest length
+    (uneven lengths)."""
     return (
         total_tokens is not None
-        and batch <= STREAM_MAX_BATCH
+        and batch <= max_batch
         and total_tokens >= STREAM_MIN_TOKENS
         and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
     )
+
+
+def with_stream(
+    cfg: DecodeConfig, total_tokens: int | None, batch: int, max_seq_len: int
+) -> DecodeConfig:
+    """``cfg``, or where its batch prefers the stream schedule (``prefers_stream``) the kernel on
+    it: for the 16-heads FP8 Gluon kernels the e4m3 one, from 64 heads the heads-as-M one."""
+    if (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
+        return MLA_FP8_E4M3_STREAM
+    if cfg.heads_m and prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH):
+        return MLA_HEADS_M_STREAM
+    return cfg
 
 
 def pick_config(
@@ -988,10 +1009,8 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
-    if config is None and (cfg.wgmma or cfg.e4m3) and prefers_stream(
-        total_tokens, batch, max_seq_len
-    ):  # uneven lengths: the stream schedule instead of a split plan
-        cfg = MLA_FP8_E4M3_STREAM
+    if config is None:
+        cfg = with_stream(cfg, total_tokens, batch, max_seq_len)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
         cfg = MLA_FP8_TRITON
@@ -1000,8 +1019,8 @@ def paged_decode(
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
     sms = num_sms(q.device)
-    if cfg.stream and batch > STREAM_MAX_BATCH:  # a caller's stream config, past what it takes
-        cfg = replace(cfg, stream=False)
+    if cfg.stream and batch > (HEADS_STREAM_MAX_BATCH if cfg.heads_m else STREAM_MAX_BATCH):
+        cfg = replace(cfg, stream=False)  # a caller's stream config, past what it takes
     if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' shapes
         tiles = {(64, 4)}
         if cfg.e4m3 and not (cfg.e4m3_in_place or cfg.stream):
@@ -1014,6 +1033,13 @@ def paged_decode(
                 f"{'FP8' if scales else 'BF16'} {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
                 f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
             )
+    if v_from_k and cfg.heads_m:  # its tile sizes are the kernel's own constants
+        if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
+            raise ValueError(
+                "the heads-as-M MLA kernel takes 512 latent + 64 rope dims with 64-token tiles "
+                f"of 64 heads and 8 warps, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
+                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
+            )
 
     if out is None:
         out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
@@ -1022,7 +1048,8 @@ def paged_decode(
     if batch == 0:
         return out
     if v_from_k and cfg.stream:
-        _stream_decode(q, k_rows, scales[0], table, sm_scale, rope_dim, out, cfg, tokens, sms)
+        kv_scale = scales[0] if scales is not None else None
+        _stream_decode(q, k_rows, kv_scale, table, sm_scale, rope_dim, out, cfg, tokens, sms)
         return out
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
@@ -1078,13 +1105,6 @@ def paged_decode(
                 ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )
     elif v_from_k and cfg.heads_m:
-        if (dim, rope_dim, cfg.block_n, cfg.block_h, cfg.num_warps) != (512, 64, 64, 64, 8):
-            raise ValueError(
-                "the heads-as-M MLA kernel takes 512 latent + 64 rope dims with 64-token tiles "
-                f"of 64 heads and 8 warps, got {dim} + {rope_dim} dims, block_n={cfg.block_n}, "
-                f"block_h={cfg.block_h}, num_warps={cfg.num_warps}"
-            )
-        # its tile sizes are the kernel's own constants
         mla_heads_kernel[(programs, splits)](
             **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N")
         )
@@ -1136,7 +1156,7 @@ def stream_programs(tokens_bound: int, batch: int, block_n: int, max_split_token
 def _stream_decode(
     q: torch.Tensor,
     kv: torch.Tensor,
-    kv_scale: torch.Tensor,
+    kv_scale: torch.Tensor | None,
     table: PageTable,
     sm_scale: float,
     rope_dim: int,
@@ -1145,8 +1165,9 @@ def _stream_decode(
     tokens_bound: int,
     sms: int,
 ) -> None:
-    """The e4m3 MLA kernel on the stream schedule (mla_stream.py) and its merge, for a batch of
-    at most ``tokens_bound`` tokens (``paged_decode`` checked the shapes)."""
+    """The e4m3 MLA kernel (FP8, up to 16 heads) or the heads-as-M one (``cfg.heads_m``; BF16
+    where ``kv_scale`` is None) on the stream schedule (mla_stream.py) and its merge, for a batch
+    of at most ``tokens_bound`` tokens (``paged_decode`` checked the shapes)."""
     batch, num_heads, qk_dim = q.shape
     dim, dv = qk_dim - rope_dim, out.shape[2]
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
@@ -1154,23 +1175,30 @@ def _stream_decode(
                                head_blocks, sms, cfg.balanced_waves)  # fmt: skip
     part_out = torch.empty(programs, num_heads, 2, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs, num_heads, 2, dtype=torch.float32, device=q.device)
-    batch_p2 = max(128, triton.next_power_of_2(batch))
+    # the batch's lengths, one a thread of the stage-1 kernel (and of the merge)
+    batch_p2 = max(32 * cfg.num_warps, triton.next_power_of_2(batch))
     lens = {"seq_lens": table.seq_lens, "indptr": table.indptr, "batch": batch,
-            "LENS_ARE_ENDS": table.seq_lens_are_ends, "BATCH_P2": batch_p2,
-            "BLOCK_N": cfg.block_n}  # fmt: skip
+            "LENS_ARE_ENDS": table.seq_lens_are_ends, "BATCH_P2": batch_p2}  # fmt: skip
     parts = {"part_out": part_out, "part_lse": part_lse}
-    mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
-        Q=q, KV=kv, KV_SCALE=kv_scale, indices=table.indices, out=out,
-        sm_scale_log2e=sm_scale * LOG2E, num_heads=num_heads,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kv_slot=kv.stride(0),
-        stride_s_slot=kv_scale.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
-        stride_pb=part_out.stride(0), stride_ph=part_out.stride(1),
-        stride_ps=part_out.stride(2), PAGE_SIZE=table.page_size,
-        ENTRIES_PER_PAGE=table.entries_per_page, D=dim, D_ROPE=rope_dim,
-        BLOCK_H=cfg.block_h, ONLY=cfg.only, num_warps=cfg.num_warps, **lens, **parts,
-    )  # fmt: skip
+    stage_one = {
+        "Q": q, "KV": kv, "KV_SCALE": kv if kv_scale is None else kv_scale,
+        "indices": table.indices, "out": out, "sm_scale_log2e": sm_scale * LOG2E,
+        "num_heads": num_heads, "stride_qb": q.stride(0), "stride_qh": q.stride(1),
+        "stride_kv_slot": kv.stride(0),
+        "stride_s_slot": (kv if kv_scale is None else kv_scale).stride(0),
+        "stride_ob": out.stride(0), "stride_oh": out.stride(1), "stride_pb": part_out.stride(0),
+        "stride_ph": part_out.stride(1), "stride_ps": part_out.stride(2),
+        "PAGE_SIZE": table.page_size, "ENTRIES_PER_PAGE": table.entries_per_page, "D": dim,
+        "D_ROPE": rope_dim, "num_warps": cfg.num_warps, **lens, **parts,
+    }  # fmt: skip
+    if cfg.heads_m:  # its tile sizes are the kernel's own constants
+        mla_heads_stream_kernel[(programs, head_blocks)](FP8=kv_scale is not None, **stage_one)
+    else:
+        mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ONLY=cfg.only, **stage_one
+        )
     _stream_merge_kernel[(batch, num_heads)](
         out=out, programs=programs, stride_pp=part_out.stride(0), stride_ph=part_out.stride(1),
         stride_ps=part_out.stride(2), stride_ob=out.stride(0), stride_oh=out.stride(1), DV=dv,
-        num_warps=4, **lens, **parts,
+        BLOCK_N=cfg.block_n, num_warps=4, **lens, **parts,
     )  # fmt: skip

@@ -10,11 +10,17 @@ import pytest
 import torch
 from tessera.kernels.paged_decode_split import (
     E4M3_MAX_SPLIT_TOKENS,
+    HEADS_STREAM_MAX_BATCH,
+    MLA_FP8_E4M3_STREAM,
+    MLA_HEADS_M,
+    MLA_HEADS_M_STREAM,
     STREAM_MAX_BATCH,
     STREAM_MIN_TOKENS,
     _stream_merge_kernel,
+    pick_config,
     prefers_stream,
     stream_programs,
+    with_stream,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +57,26 @@ def test_the_stream_schedule_is_the_default_for_uneven_batches_only():
     many = [64, 8192] * (STREAM_MAX_BATCH // 2)  # uneven, but past what the schedule takes
     assert prefers_stream(sum(many), len(many), 8192)
     assert not prefers_stream(sum(many) + 64, len(many) + 1, 8192)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_uneven_batches_take_the_stream_kernel_of_their_head_count(heads, fp8):
+    """16 heads: FP8 takes the e4m3 kernel on the stream (BF16 has no stream kernel); 64+
+    heads: the heads-as-M kernel on it, BF16 and FP8, for up to HEADS_STREAM_MAX_BATCH
+    requests (their ends share the kernel's shared memory)."""
+    mix = [1024, 2048, 4096, 8192] * 16
+    cfg = pick_config(512, heads, mla=True, fp8=fp8, tokens=sum(mix))
+    streamed = with_stream(cfg, sum(mix), len(mix), max(mix))
+    if heads >= 64:
+        assert (cfg, streamed) == (MLA_HEADS_M, MLA_HEADS_M_STREAM)
+    else:
+        assert streamed == (MLA_FP8_E4M3_STREAM if fp8 else cfg)
+    assert with_stream(cfg, len(mix) * 8192, len(mix), 8192) == cfg  # equal lengths
+    assert with_stream(cfg, None, len(mix), max(mix)) == cfg  # no total given
+    many = [64, 8192] * (HEADS_STREAM_MAX_BATCH // 2 + 1)
+    past = with_stream(cfg, sum(many), len(many), 8192)
+    assert past == (cfg if heads >= 64 or not fp8 else MLA_FP8_E4M3_STREAM)
 
 
 def stage_one(lens, programs, q, k, v):

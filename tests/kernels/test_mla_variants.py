@@ -17,6 +17,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
+    MLA_HEADS_M_STREAM,
     DecodeConfig,
 )
 from tessera.kernels.paged_kv import PageTable
@@ -95,12 +96,25 @@ def test_wgmma_kernel_refuses_bf16_pages():
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("heads", [64, 80, 128])
-def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads):
-    """The Gluon 64-heads kernel (heads as the MMA's M): single tokens, tiles that end one
-    short, exactly and one past a page, many tiles; one head block, a padded second one (80)
-    and two full ones (128); page ids and SGLang's token slots."""
-    run_mla(kv_dtype, [1, 63, 64, 65, 700, 3001], page_size, heads, config=MLA_HEADS_M,
+@pytest.mark.parametrize("config", [MLA_HEADS_M, MLA_HEADS_M_STREAM], ids=["splits", "stream"])
+def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads, config):
+    """The Gluon 64-heads kernel (heads as the MMA's M), on split plans and on the stream
+    schedule: single tokens, tiles that end one short, exactly and one past a page, many tiles;
+    one head block, a padded second one (80) and two full ones (128); page ids and SGLang's
+    token slots."""
+    run_mla(kv_dtype, [1, 63, 64, 65, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_heads_m_stream_cuts_requests_anywhere(kv_dtype, heads):
+    """The heads-as-M kernel on the stream schedule: empty requests among others, 300 short
+    ones (more than programs, so each program finishes several) and a long one cut across
+    dozens of programs (66 a head block at 128 heads)."""
+    lens = [0, 1, 63, 0, 64, 65, 700, 3001] + [1 + 37 * i % 200 for i in range(300)] + [0]
+    run_mla(kv_dtype, lens, 64, heads, config=MLA_HEADS_M_STREAM, sglang_form=True)
 
 
 @pytest.mark.gpu

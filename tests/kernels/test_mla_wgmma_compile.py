@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import triton
-from tessera.kernels.paged_decode_split import STREAM_MAX_BATCH
+from tessera.kernels.paged_decode_split import HEADS_STREAM_MAX_BATCH, STREAM_MAX_BATCH
 
 SM90_SHARED_PER_BLOCK = 232_448  # 227 KB: the most one block may take on sm_90
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -86,6 +86,17 @@ def test_gluon_stream_kernel_builds_with_a_spill_free_tile_loop(entries_per_page
 @pytest.mark.parametrize(("page_size", "entries_per_page"), [(64, 1), (64, 64)])
 def test_gluon_heads_kernel_builds_for_fp8_pages(page_size, entries_per_page):
     _report(f"gluon_report(True, {page_size}, {entries_per_page}, 64, True)")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gluon_heads_stream_kernel_fits_its_largest_batch(fp8):
+    """The heads-as-M kernel on the stream schedule at HEADS_STREAM_MAX_BATCH requests: their
+    ends fit in shared memory beside the query, two tiles and p (``_report`` checks the 227
+    KB), and its tile loop is the split kernel's: 40 MMAs (36 for the scores, 4 for the
+    output)."""
+    built = _report(f"gluon_report(False, 64, 64, 64, {fp8}, False, False, "
+                    f"{HEADS_STREAM_MAX_BATCH})")  # fmt: skip
+    assert built["tile_loop"].get("HGMMA") == 40, built
 
 
 def _report(call: str) -> dict:
