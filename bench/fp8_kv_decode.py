@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 import triton
 from accuracy import rel_l2
-from decode_slice_plan import CONTEXT_MIX
 from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
@@ -63,6 +62,10 @@ from tessera.kernels.paged_decode_split import (
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
+
+# the decode slice's mix of lengths (bench/decode_slice_plan.py's CONTEXT_MIX, whose module needs
+# the planner's dependencies)
+CONTEXT_MIX = (1024, 2048, 4096, 8192)
 
 L2_BYTES = 60 * 2**20
 SGLANG_SPLITS = 8  # SGLang's default --triton-attention-num-kv-splits
