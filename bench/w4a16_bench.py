@@ -240,6 +240,7 @@ def _short(cfg) -> str:
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+    text += "p" if getattr(cfg, "pair_blocks", False) else ""  # one pair a block, in order
     split = getattr(cfg, "split_k", 1)
     return text + (f"k{split}" if split > 1 else "")
 
@@ -350,8 +351,8 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
     tokens = x.shape[0]
     pairs = tokens * top_k
-    aligned = [align_to_experts(r[1], experts, up.block_m) for r in rs]
-    aligned_down = [align_to_experts(r[1], experts, down.block_m) for r in rs]
+    aligned = [w4a16_moe.expert_blocks(r[1], experts, up.rows_per_block) for r in rs]
+    aligned_down = [w4a16_moe.expert_blocks(r[1], experts, down.rows_per_block) for r in rs]
     act = moe_gemm(x, w13, *aligned[0], pairs, top_k, up, silu_mul=True)
     routing = [r[0].reshape(-1) for r in rs]
 
@@ -404,18 +405,24 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
     routing = [r[0].reshape(-1) for r in rs]
     out = {"up": {}, "down": {}}
     for cfg in w4a16_moe._candidates(pairs, experts, w4a16_moe._num_columns(w13), int4):
-        aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
+        aligned = [w4a16_moe.expert_blocks(r[1], experts, cfg.rows_per_block) for r in rs]
         out["up"][_short(cfg)] = graph_time_us(
             lambda i, c=cfg, a=aligned: moe_gemm(xs[i], w13, *a[i], pairs, top_k, c,
                                                  silu_mul=True), len(rs))  # fmt: skip
     for cfg in w4a16_moe._candidates(pairs, experts, w4a16_moe._num_columns(w2), int4):
-        aligned = [align_to_experts(r[1], experts, cfg.block_m) for r in rs]
+        aligned = [w4a16_moe.expert_blocks(r[1], experts, cfg.rows_per_block) for r in rs]
         out["down"][_short(cfg)] = graph_time_us(
             lambda i, c=cfg, a=aligned, g=routing: moe_gemm(act, w2, *a[i], pairs, 1, c, g[i],
                                                             sum_rows=top_k),
             len(rs),
         )  # fmt: skip
     return out
+
+
+def tuned_moe_tiles(tokens, experts, hidden, kind) -> tuple:
+    """The (up, down) tiles ``fused_moe`` runs at this shape: the tuner's last stage."""
+    return _TUNED[("moe_up_given_down", tokens, experts, (hidden,), kind,
+                   torch.cuda.get_device_name())]  # fmt: skip
 
 
 def bench_moe_shape(
@@ -447,6 +454,17 @@ def bench_moe_shape(
         rs = routings(tokens, experts, top_k, 4)
         xs = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         t_int4 = graph_time_us(lambda i, xs=xs, rs=rs: fused_moe(xs[i], w13, w2, *rs[i]), 4)
+        tuned_int4 = tuned_moe_tiles(tokens, experts, hidden, "int4")
+        aligned_tiles = {}
+        if any(c.pair_blocks for c in tuned_int4):
+            # the same tiles on blocks from the alignment kernel, side by side
+            plain = tuple(dataclasses.replace(c, pair_blocks=False) for c in tuned_int4)
+            aligned_tiles["int4_aligned_tiles_us"] = graph_time_us(
+                lambda i, xs=xs, rs=rs, c=plain: fused_moe(xs[i], w13, w2, *rs[i], configs=c), 4
+            )
+            print(f"  T={tokens} tuned {[_short(c) for c in tuned_int4]}: {t_int4:.1f} us, "
+                  f"on aligned blocks {aligned_tiles['int4_aligned_tiles_us']:.1f} us",
+                  flush=True)  # fmt: skip
         t_bf16 = graph_time_us(lambda i, xs=xs, rs=rs: fused_moe(xs[i], b13, b2, *rs[i]), 4)
         t_sg, best_cfg = float("nan"), None
         if sg:
@@ -474,8 +492,7 @@ def bench_moe_shape(
             tuned = {key[0]: v for key, v in _TUNED.items()
                      if key[0].startswith("moe") and key[1] == tokens}  # fmt: skip
             for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
-                cfgs = _TUNED[("moe_down", tokens, experts, (hidden,), kind,
-                               torch.cuda.get_device_name())]  # fmt: skip
+                cfgs = tuned_moe_tiles(tokens, experts, hidden, kind)
                 parts[kind] = moe_parts(xs[0], w, rs, top_k, cfgs)
                 parts[kind]["tiles"] = [_short(c) for c in cfgs]
                 print(f"  T={tokens} {kind} parts (us): "
@@ -483,6 +500,8 @@ def bench_moe_shape(
                                   if p != "tiles") + f" tiles {parts[kind]['tiles']}",
                       flush=True)  # fmt: skip
             del tuned
+        tuned_tiles = {kind: [_short(c) for c in tuned_moe_tiles(tokens, experts, hidden, kind)]
+                       for kind in ("int4", "bf16")}  # fmt: skip
         rows.append({
             "shape": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
             "group": group, "tokens": tokens, "int4_us": t_int4, "bf16_experts_us": t_bf16,
@@ -491,7 +510,8 @@ def bench_moe_shape(
             "rel_l2_vs_fp32_T4": errs, "avg_distinct_experts_per_call": touched,
             "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
                               if key[0].startswith("moe") and key[1] == tokens},
-            "parts_us": parts, "candidates_us": per_config, **marlin,
+            "tuned_tiles": tuned_tiles,
+            "parts_us": parts, "candidates_us": per_config, **marlin, **aligned_tiles,
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "

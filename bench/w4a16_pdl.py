@@ -88,7 +88,7 @@ def moe_modes(xs, ws, configs) -> tuple[list[dict], float]:
     ids = [torch.tensor([[e]], device="cuda") for e in (3, 17, 29, 41)][:SETS]
     weights = torch.ones(1, 1, device="cuda")
     fused_moe(x, w13, w2, weights, ids[0])  # tunes both GEMMs at one pair, outside the timing
-    moe_cfgs = next(v for k, v in _TUNED.items() if k[0] == "moe_down")
+    moe_cfgs = next(v for k, v in _TUNED.items() if k[0] == "moe_up_given_down")
     rows, outs = [], {}
     for pdl in (0, 1):
         cfgs = tuple(dataclasses.replace(c, pdl=pdl) for c in moe_cfgs)

@@ -15,7 +15,7 @@ bf16 experts (plain ``[E, K, N]`` tensors) with only the weight decode changed, 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -156,10 +156,12 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SWAP: tl.constexpr = False, SILU_MUL: tl.constexpr = False, COUNTED: tl.constexpr = False,
-    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0,
+    FENCE: tl.constexpr = True, PDL: tl.constexpr = 0, PAIR_BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
     """x[pair // rows_per_x] @ W_e for one expert block x N tile, over one of ``split_k`` parts
-    of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there).
+    of K, stored by :func:`_epilogue` (``COUNTED``: the parts meet there). A block holds
+    ``BLOCK_M`` pairs of ``pair_ids``, or with ``PAIR_BLOCKS`` one (block ``b`` is pair ``b``:
+    :func:`expert_blocks`), its other rows padding.
 
     With ``SILU_MUL`` the weight's ``N`` columns are gate then up (``N / 2`` each): a program's
     ``BLOCK_N`` columns are ``BLOCK_N / 2`` gate columns and the same up columns, and the
@@ -174,7 +176,10 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # a block past the last used one
         return
-    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIR_BLOCKS:
+        pairs = block + tl.arange(0, BLOCK_M) * num_pairs  # rows past the first: padding
+    else:
+        pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = pairs < num_pairs
     offs_o = (pid % num_n) * OUT_BN + tl.arange(0, OUT_BN)
     o_mask = offs_o < out_n
@@ -307,6 +312,14 @@ class MoeConfig:
     # programmatic dependent launch, as GemmConfig.pdl (1: launched while the kernel before
     # ends, waiting for its results before reading anything)
     pdl: int = 1
+    # tensor-core tiles: one pair a block, the pairs in order (as the gemv path's blocks), so
+    # no alignment launch; a block's other block_m - 1 rows are padding
+    pair_blocks: bool = False
+
+    @property
+    def rows_per_block(self) -> int:
+        """Pairs an expert block holds at most (:func:`expert_blocks`)."""
+        return 1 if self.path == "gemv" or self.pair_blocks else self.block_m
 
 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
@@ -458,7 +471,8 @@ def moe_gemm(
             *args, n, k, num_pairs, rows_per_x, config.split_k, summed,
             x.stride(0), swe, swk, sse, ssk,
             INT4=int4, BLOCK_M=config.block_m, BLOCK_K=config.block_k, SWAP=config.swap,
-            COUNTED=counted, num_stages=config.num_stages, **common,
+            COUNTED=counted, PAIR_BLOCKS=config.pair_blocks, num_stages=config.num_stages,
+            **common,
         )  # fmt: skip
     if sum_rows > summed:
         return _topk_sum(out, num_pairs // sum_rows, sum_rows)
@@ -500,8 +514,11 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     a GEMM has one program per expert and N tile, too few to fill 132 SMs (the decode slice's
     experts at 1 request: 1.17 TB/s without the split, 1.46 with it).
 
-    INT4 experts with about one pair each also get the CUDA-core path (``gemv``, one pair a
-    program) with the dense GEMV's two tiles and split counts for the ``n`` output columns."""
+    With about one pair an expert the 8-row tiles also come with blocks of one pair in pair
+    order (``pair_blocks``): no alignment launch, and pairs that share an expert read it once
+    each (from L2 after the first). INT4 experts there also get the CUDA-core path (``gemv``,
+    one pair a program) with the dense GEMV's two tiles and split counts for the ``n`` output
+    columns."""
     large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
     if num_pairs > 16 * num_experts:
         return large
@@ -511,12 +528,14 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
     split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in
              ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4))]  # fmt: skip
-    gemv = []
+    one_pair, gemv = [], []
+    if num_pairs <= 2 * num_experts:
+        one_pair = [replace(c, pair_blocks=True) for c in swapped + split]
     if int4 and n is not None and num_pairs <= 2 * num_experts:
         for bn, bk in ((128, 128), (256, 64)):
             gemv += [MoeConfig(1, bn, bk, 4, 1, split_k=s, path="gemv")
                      for s in _split_counts(num_pairs * triton.cdiv(n, bn))]  # fmt: skip
-    return small + swapped + split + gemv
+    return small + swapped + split + one_pair + gemv
 
 
 def _counted(config: MoeConfig) -> bool:
@@ -558,13 +577,14 @@ def fused_moe(
     routing = topk_weights.reshape(-1)  # read as fp32 by the kernel
 
     def run(cfgs: tuple[MoeConfig, MoeConfig]) -> torch.Tensor:
-        # launches: align (none for the gemv path), up GEMM with SiLU-and-mul, down GEMM x
+        # launches: align (none for blocks of one pair), up GEMM with SiLU-and-mul, down GEMM x
         # routing with the top-k sum (unsplit tensor-core tiles: the sum is one more launch)
         up_cfg, down_cfg = cfgs
-        pair_ids, block_expert = expert_blocks(topk_ids, num_experts, up_cfg.block_m)
+        pair_ids, block_expert = expert_blocks(topk_ids, num_experts, up_cfg.rows_per_block)
         act = moe_gemm(x, w13, pair_ids, block_expert, num_pairs, top_k, up_cfg, silu_mul=True)
-        if down_cfg.block_m != up_cfg.block_m:
-            pair_ids, block_expert = expert_blocks(topk_ids, num_experts, down_cfg.block_m)
+        if down_cfg.rows_per_block != up_cfg.rows_per_block:
+            pair_ids, block_expert = expert_blocks(topk_ids, num_experts,
+                                                   down_cfg.rows_per_block)  # fmt: skip
         return moe_gemm(act, w2, pair_ids, block_expert, num_pairs, 1, down_cfg, routing,
                         sum_rows=top_k)  # fmt: skip
 
@@ -577,16 +597,29 @@ def fused_moe(
 
 
 def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig]:
-    """Tune the up GEMM with a mid-size down tile, then the down GEMM with the chosen up tile."""
+    """Both GEMMs' tiles for this shape (:func:`_tune_stages`), each stage timed on the GPU
+    once and kept under its own key."""
     kind = "int4" if isinstance(w13, W4A16Weight) else "bf16"
     shape = (x.shape[0], num_experts, tuple(x.shape[1:]), kind, torch.cuda.get_device_name())
     tiles = _candidates(num_pairs, num_experts)
-    mid = tiles[len(tiles) // 2]
     int4 = kind == "int4"
-    up_cands = _candidates(num_pairs, num_experts, _num_columns(w13), int4)
-    up = tune_cached(("moe_up", *shape), [(c, mid) for c in up_cands], run)[0]
-    down_cands = _candidates(num_pairs, num_experts, _num_columns(w2), int4)
-    return tune_cached(("moe_down", *shape), [(up, c) for c in down_cands], run)
+    return _tune_stages(
+        lambda stage, cfg_pairs: tune_cached((stage, *shape), cfg_pairs, run),
+        _candidates(num_pairs, num_experts, _num_columns(w13), int4),
+        _candidates(num_pairs, num_experts, _num_columns(w2), int4),
+        mid=tiles[len(tiles) // 2],
+    )
+
+
+def _tune_stages(fastest, up_cands, down_cands, mid) -> tuple[MoeConfig, MoeConfig]:
+    """The (up, down) tiles by coordinate descent, ``fastest(stage, cfg_pairs)`` picking one
+    of the (up, down) pairs at each stage: the up GEMM with a mid-size down tile ``mid``, the
+    down GEMM with that up tile, then the up GEMM again with that down tile. The alignment
+    launch is saved only when both GEMMs take blocks of one pair (``rows_per_block == 1``), so
+    the up GEMM is chosen last, knowing the down GEMM's block kind."""
+    up = fastest("moe_up", [(c, mid) for c in up_cands])[0]
+    down = fastest("moe_down", [(up, c) for c in down_cands])[1]
+    return fastest("moe_up_given_down", [(c, down) for c in up_cands])
 
 
 def fused_moe_reference(

@@ -317,10 +317,10 @@ def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
 
 @pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
 def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
-    """One pair a program on CUDA cores, in pair order with no alignment: experts shared by
-    several pairs, column counts that are not a multiple of the tile (masked columns), a down K
-    (96) that ends inside a step, K split with an empty part, and the gemv path beside a
-    tensor-core tile in the other GEMM (aligned for that one only)."""
+    """One pair a program on CUDA cores, and tensor-core tiles of one pair a block, both in
+    pair order with no alignment: experts shared by several pairs, column counts that are not
+    a multiple of the tile (masked columns), a down K (96) that ends inside a step, K split
+    with an empty part, and either beside an aligned tensor-core tile in the other GEMM."""
     experts, hidden, inter, tokens, top_k = 4, 384, 96, 5, 2
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, g13, g2,
                                         symmetric, seed=7)  # fmt: skip
@@ -328,7 +328,10 @@ def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
     tile = MoeConfig(block_m=8, block_n=32, swap=True)
     wide = MoeConfig(1, 128, 128, path="gemv")
     short = MoeConfig(1, 64, 64, split_k=4, path="gemv")
-    for cfgs in ((wide, short), (short, tile), (tile, wide)):
+    one_pair = MoeConfig(block_m=8, block_n=32, swap=True, pair_blocks=True)
+    one_pair_split = MoeConfig(block_m=8, block_n=32, swap=True, split_k=3, pair_blocks=True)
+    for cfgs in ((wide, short), (short, tile), (tile, wide), (one_pair_split, one_pair),
+                 (one_pair, tile), (wide, one_pair_split)):  # fmt: skip
         out = fused_moe(x, w13, w2, weights, ids, configs=cfgs)
         assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
         assert rel_l2(out, ref) <= REL_L2, cfgs
@@ -340,17 +343,19 @@ def test_fused_moe_gemv_matches_reference(g13, g2, symmetric):
 @pytest.mark.parametrize(
     "cfg",
     [MoeConfig(block_m=8, block_n=32, swap=True, split_k=2), MoeConfig(block_n=32, split_k=4),
-     MoeConfig(1, 64, 64, split_k=3, path="gemv"), MoeConfig(block_m=8, block_n=32, swap=True)],
+     MoeConfig(1, 64, 64, split_k=3, path="gemv"), MoeConfig(block_m=8, block_n=32, swap=True),
+     MoeConfig(block_m=8, block_n=32, swap=True, split_k=2, pair_blocks=True)],
 )  # fmt: skip
 def test_moe_gemm_sums_rows(cfg):
     """The public ``moe_gemm``: each pair's bf16 row, and with ``sum_rows`` each token's rows
     summed (counted inside the launch for K splits and the gemv path: up to 3 x 4 = 12 parts an
-    element; one more launch for an unsplit tile), with the routing weights."""
+    element; one more launch for an unsplit tile), with the routing weights; blocks as
+    ``expert_blocks`` makes them for the tile (the pairs in order for one pair a block)."""
     w = make_weight((3, 64, 256), 32, True, seed=5)
     x = make_x(4, 256, seed=6)
     ids = torch.tensor([[0, 2, 1], [2, 1, 0], [2, 0, 1], [1, 2, 0]], device=DEVICE)
     gains = torch.rand(4, 3, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    pair_ids, block_expert = align_to_experts(ids, 3, cfg.block_m)
+    pair_ids, block_expert = moe_module.expert_blocks(ids, 3, cfg.rows_per_block)
     dense = dequantize(w, torch.float32)  # [E, N, K]
     rows = torch.stack([x[p // 3].float() @ dense[ids.flatten()[p]].T for p in range(12)])
     out = moe_module.moe_gemm(x, w, pair_ids, block_expert, 12, 3, cfg)
@@ -361,6 +366,37 @@ def test_moe_gemm_sums_rows(cfg):
                                  sum_rows=3)  # fmt: skip
     assert summed.shape == (4, 64)
     assert rel_l2(summed, routed.view(4, 3, 64).sum(1)) <= REL_L2
+
+
+def test_tuner_picks_the_up_tile_knowing_the_down_tiles_block_kind():
+    """The tuner's stages with a cost model for the GPU's timer: each GEMM's time plus one
+    alignment launch per block size above one pair. Beside the mid-size (aligned) down tile
+    the aligned up tile wins; beside it, pair blocks in the down GEMM; the last stage then
+    gives the up GEMM pair blocks too, which saves the alignment launch (16 us against the 18
+    of the second stage's pair)."""
+    aligned = MoeConfig(block_m=8, block_n=64, swap=True)
+    one_pair = dataclasses.replace(aligned, pair_blocks=True)
+    mid = MoeConfig(block_m=8, block_n=256, swap=True, split_k=4)
+    up_us, down_us, align_us = {aligned: 10, one_pair: 11}, {aligned: 6, one_pair: 5, mid: 6}, 3
+
+    def cost(cfgs):
+        up, down = cfgs
+        aligned_sizes = {c.rows_per_block for c in cfgs} - {1}
+        return up_us[up] + down_us[down] + align_us * len(aligned_sizes)
+
+    stages = []
+
+    def fastest(stage, cfg_pairs):
+        stages.append((stage, cfg_pairs))
+        return min(cfg_pairs, key=cost)
+
+    picked = moe_module._tune_stages(fastest, [aligned, one_pair], [aligned, one_pair], mid)
+    assert picked == (one_pair, one_pair) and cost(picked) == 16
+    assert [stage for stage, _ in stages] == ["moe_up", "moe_down", "moe_up_given_down"]
+    up_stage, down_stage, last_stage = (cfg_pairs for _, cfg_pairs in stages)
+    assert up_stage == [(aligned, mid), (one_pair, mid)]
+    assert down_stage == [(aligned, aligned), (aligned, one_pair)]
+    assert last_stage == [(aligned, one_pair), (one_pair, one_pair)]
 
 
 def test_fused_moe_rejects_mismatched_routing():
