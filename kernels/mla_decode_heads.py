@@ -73,8 +73,9 @@ def _copy_tile(
 
 @gluon.jit
 def _load_fp8_tile(
-    KV32, indices, row, n0, end, stride_kv_word, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
+    KV32, KV_SCALE, indices, row, n0, end, stride_kv_word, stride_s_slot,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr, SCALES: gl.constexpr,
 ):  # fmt: skip
     """FP8: the tile's e4m3 bytes as 32-bit words (four values each), 0 past ``end``: the
     latent's two halves ``[BLOCK_N, D / 8]`` (widened one at a time) and the rope
@@ -84,9 +85,9 @@ def _load_fp8_tile(
     words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
     entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
-    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, in_tile = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     rows = KV32 + slot[:, None] * stride_kv_word
-    mask = mask[:, None]
+    mask = in_tile[:, None]
     cols = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))[None, :]
     lat0 = gl.load(rows + cols, mask=mask, other=0)
     lat1 = gl.load(rows + D // 8 + cols, mask=mask, other=0)
@@ -94,16 +95,23 @@ def _load_fp8_tile(
         rows + D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, words_l))[None, :],
         mask=mask, other=0,
     )  # fmt: skip
-    return lat0, lat1, rope
+    scale = 0
+    if SCALES:
+        scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=in_tile, other=0.0)
+    return lat0, lat1, rope, scale
 
 
 @gluon.jit
-def _store_fp8_tile(words, buf_lat_w, buf_rope_w, D: gl.constexpr):
-    """FP8: the tile's words (``_load_fp8_tile``) widened to fp16 into a buffer's word view."""
-    lat0, lat1, rope = words
+def _store_fp8_tile(words, buf_lat_w, buf_rope_w, buf_scales, D: gl.constexpr,
+                    SCALES: gl.constexpr):  # fmt: skip
+    """FP8: the tile's words (``_load_fp8_tile``) widened to fp16 into a buffer's word view,
+    and its tokens' scales beside it."""
+    lat0, lat1, rope, scale = words
     buf_lat_w.slice(0, D // 4, dim=1).store(_widen(lat0))
     buf_lat_w.slice(D // 4, D // 4, dim=1).store(_widen(lat1))
     buf_rope_w.store(_widen(rope))
+    if SCALES:
+        buf_scales.store(scale)
 
 
 # the layouts of the scores ([64 heads, 64 tokens], each warpgroup 32 tokens) and of the
@@ -128,15 +136,19 @@ def _buffers(FP8: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr):
     )
     q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_H, D], lat_sl)
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_H, D_ROPE], rope_sl)
-    return q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s
+    # FP8: each tile's per-token scales, written with the tile (BF16: one unused pair)
+    scales_all = gl.allocate_shared_memory(
+        gl.float32, [2, BLOCK_N if FP8 else 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
+    return q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s, scales_all
 
 
 @gluon.jit
 def _attend(
     Q, KV, KV_SCALE, indices, row, b, hb, start, end, sm_scale_log2e, num_heads, stride_qb,
     stride_qh, stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s,
-    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, FP8: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr,
+    scales_all, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, FP8: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr, SCALES_IN_LOOP: gl.constexpr,
 ):  # fmt: skip
     """Request ``b``'s tokens ``[start, end)`` (its table row at ``row``) for head block ``hb``:
     its query into shared memory, then every tile. Returns the output over ``acc_unit`` (in
@@ -152,8 +164,9 @@ def _attend(
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
         k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2], 128)
         k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2], 128)
-        words = _load_fp8_tile(KV32, indices, row, start, end, stride_kv_slot // 4, PAGE_SIZE,
-                            ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+        words = _load_fp8_tile(KV32, KV_SCALE, indices, row, start, end, stride_kv_slot // 4,
+                               stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE,
+                               not SCALES_IN_LOOP)  # fmt: skip
     else:
         _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
                    stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
@@ -169,9 +182,11 @@ def _attend(
     q_lat_s.store(q_lat.to(dt))
     q_rope_s.store(q_rope.to(dt))
     if FP8:
-        _store_fp8_tile(words, k_lat_w_all.index(0), k_rope_w_all.index(0), D)
-        words = _load_fp8_tile(KV32, indices, row, start + BLOCK_N, end, stride_kv_slot // 4,
-                            PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+        _store_fp8_tile(words, k_lat_w_all.index(0), k_rope_w_all.index(0), scales_all.index(0),
+                        D, not SCALES_IN_LOOP)  # fmt: skip
+        words = _load_fp8_tile(KV32, KV_SCALE, indices, row, start + BLOCK_N, end,
+                               stride_kv_slot // 4, stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D,
+                               D_ROPE, not SCALES_IN_LOOP)  # fmt: skip
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
     l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)  # the softmax's sums, unsummed
@@ -198,11 +213,13 @@ def _attend(
         s = warpgroup_mma(q_rope_s, k_rope_all.index(buf).permute((1, 0)), s, is_async=True)
         offs = n0 + gl.arange(0, BLOCK_N, layout=tok_s)
         mask = offs < end
-        if FP8:
+        if FP8 and SCALES_IN_LOOP:
             entry = _tile_entry(indices, row, n0, end, tok_s, PAGE_SIZE, ENTRIES_PER_PAGE,
                                 BLOCK_N)  # fmt: skip
             slot, _ = _tile_slots(entry, n0, end, tok_s, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
             scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=mask, other=0.0)
+        elif FP8:  # stored with the tile, a tile ago
+            scale = scales_all.index(buf).load(tok_s)
         s = warpgroup_mma_wait(0, deps=(s,))
         if FP8:
             s = s * (scale * sm_scale_log2e)[None, :]
@@ -233,9 +250,11 @@ def _attend(
         if FP8:
             # tile i + 1 into the other buffer (free since this tile's first barrier) through
             # this tile's output product, then tile i + 2's words in flight
-            _store_fp8_tile(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf), D)
-            words = _load_fp8_tile(KV32, indices, row, n0 + 2 * BLOCK_N, end, stride_kv_slot // 4,
-                                PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
+            _store_fp8_tile(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf),
+                            scales_all.index(1 - buf), D, not SCALES_IN_LOOP)  # fmt: skip
+            words = _load_fp8_tile(KV32, KV_SCALE, indices, row, n0 + 2 * BLOCK_N, end,
+                                   stride_kv_slot // 4, stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                   D, D_ROPE, not SCALES_IN_LOOP)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         m = m_new
         n0 += BLOCK_N
@@ -300,6 +319,7 @@ def mla_heads_kernel(
     FP8: gl.constexpr,
     D: gl.constexpr,
     D_ROPE: gl.constexpr,
+    SCALES_IN_LOOP: gl.constexpr = False,
 ):
     """Stage 1 over 64 heads a program, one program per (request, head block, split), 8 warps;
     ``FP8``: e4m3 pages with per-token scales."""
@@ -311,12 +331,12 @@ def mla_heads_kernel(
     b = pid // head_blocks
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
-    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s = _buffers(FP8, D, D_ROPE)
+    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s, scales_all = _buffers(FP8, D, D_ROPE)
     acc, acc_unit, m, l = _attend(Q, KV, KV_SCALE, indices, row, b, hb, start, end,
                                   sm_scale_log2e, num_heads, stride_qb, stride_qh,
                                   stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all,
-                                  k_rope_all, p_s, PAGE_SIZE, ENTRIES_PER_PAGE, FP8, D,
-                                  D_ROPE)  # fmt: skip
+                                  k_rope_all, p_s, scales_all, PAGE_SIZE, ENTRIES_PER_PAGE,
+                                  FP8, D, D_ROPE, SCALES_IN_LOOP)  # fmt: skip
     _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
                    stride_ph, stride_ps, D)  # fmt: skip
 
@@ -351,6 +371,7 @@ def mla_heads_stream_kernel(
     FP8: gl.constexpr,
     D: gl.constexpr,
     D_ROPE: gl.constexpr,
+    SCALES_IN_LOOP: gl.constexpr = False,
 ):
     """``mla_heads_kernel`` on the stream schedule (``mla_stream``): program ``(p, hb)`` runs
     head block ``hb`` over run ``p`` of the batch's tiles, piece after piece; a whole request's
@@ -362,7 +383,7 @@ def mla_heads_stream_kernel(
     hb = gl.program_id(1)
     ends_s, total = stream_ends(seq_lens, indptr, batch, LENS_ARE_ENDS, BLOCK_N, BATCH_P2, WARPS)
     lo, hi = stream_run(total, gl.num_programs(0), program)
-    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s = _buffers(FP8, D, D_ROPE)
+    q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s, scales_all = _buffers(FP8, D, D_ROPE)
     t = lo
     while t < hi:
         b, row, start, end, first, last = stream_piece(
@@ -372,8 +393,8 @@ def mla_heads_stream_kernel(
         acc, acc_unit, m, l = _attend(Q, KV, KV_SCALE, indices, row, b, hb, start, end,
                                       sm_scale_log2e, num_heads, stride_qb, stride_qh,
                                       stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s,
-                                      k_lat_all, k_rope_all, p_s, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                      FP8, D, D_ROPE)  # fmt: skip
+                                      k_lat_all, k_rope_all, p_s, scales_all, PAGE_SIZE,
+                                      ENTRIES_PER_PAGE, FP8, D, D_ROPE, SCALES_IN_LOOP)  # fmt: skip
         if (first >= lo) & (last <= hi):
             ho, dims = _out_rows(hb, D)
             o = acc * gl.convert_layout(acc_unit / l, gl.SliceLayout(1, MMA_O))[:, None]

@@ -78,6 +78,8 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
+    # ... its FP8 scales loaded in the tile loop (the first version), not stored with the tile
+    heads_scales_in_loop: bool = False
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -116,9 +118,9 @@ MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_wav
 # The heads-as-M kernel on the stream schedule: the default from 64 heads where the batch's
 # lengths are known to be uneven (``prefers_stream``), for up to HEADS_STREAM_MAX_BATCH requests.
 MLA_HEADS_M_STREAM = replace(MLA_HEADS_M, stream=True)
-# the most requests it takes: their tile ends (4 bytes each, 2 KB here) fill the 227 KB of an SM's
-# shared memory beside the query, two tiles and p (224 KB)
-HEADS_STREAM_MAX_BATCH = 512
+# the most requests it takes: their tile ends (4 bytes each) share the 227 KB of an SM's shared
+# memory with the query, two tiles, their scales and p (225 KB)
+HEADS_STREAM_MAX_BATCH = 256
 # From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
 # Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
@@ -1106,7 +1108,8 @@ def paged_decode(
             )
     elif v_from_k and cfg.heads_m:
         mla_heads_kernel[(programs, splits)](
-            **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N")
+            SCALES_IN_LOOP=cfg.heads_scales_in_loop,
+            **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N"),
         )
     elif v_from_k and cfg.latent_quarters and dim >= 64:
         kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
@@ -1192,7 +1195,9 @@ def _stream_decode(
         "D_ROPE": rope_dim, "num_warps": cfg.num_warps, **lens, **parts,
     }  # fmt: skip
     if cfg.heads_m:  # its tile sizes are the kernel's own constants
-        mla_heads_stream_kernel[(programs, head_blocks)](FP8=kv_scale is not None, **stage_one)
+        mla_heads_stream_kernel[(programs, head_blocks)](
+            FP8=kv_scale is not None, SCALES_IN_LOOP=cfg.heads_scales_in_loop, **stage_one
+        )
     else:
         mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ONLY=cfg.only, **stage_one

@@ -18,6 +18,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
     MLA_HEADS_M_STREAM,
+    HEADS_STREAM_MAX_BATCH,
     DecodeConfig,
 )
 from tessera.kernels.paged_kv import PageTable
@@ -110,10 +111,12 @@ def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads, 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_heads_m_stream_cuts_requests_anywhere(kv_dtype, heads):
-    """The heads-as-M kernel on the stream schedule: empty requests among others, 300 short
+    """The heads-as-M kernel on the stream schedule: empty requests among others, 240 short
     ones (more than programs, so each program finishes several) and a long one cut across
-    dozens of programs (66 a head block at 128 heads)."""
-    lens = [0, 1, 63, 0, 64, 65, 700, 3001] + [1 + 37 * i % 200 for i in range(300)] + [0]
+    dozens of programs (66 a head block at 128 heads), 249 requests in all (the most it takes:
+    HEADS_STREAM_MAX_BATCH)."""
+    lens = [0, 1, 63, 0, 64, 65, 700, 3001] + [1 + 37 * i % 200 for i in range(240)] + [0]
+    assert len(lens) <= HEADS_STREAM_MAX_BATCH
     run_mla(kv_dtype, lens, 64, heads, config=MLA_HEADS_M_STREAM, sglang_form=True)
 
 
