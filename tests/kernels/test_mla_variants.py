@@ -11,6 +11,7 @@ import pytest
 import torch
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_decode_split import (
+    HEADS_STREAM_MAX_BATCH,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
@@ -18,7 +19,6 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
     MLA_HEADS_M_STREAM,
-    HEADS_STREAM_MAX_BATCH,
     DecodeConfig,
 )
 from tessera.kernels.paged_kv import PageTable
