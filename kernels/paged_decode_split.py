@@ -78,8 +78,9 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
-    # ... its FP8 scales loaded in the tile loop (the first version), not stored with the tile
-    heads_scales_in_loop: bool = False
+    # ... each tile's page-table entries loaded just before its loads (the first version), not
+    # a tile ahead
+    heads_entries_in_place: bool = False
 
 
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
@@ -1108,7 +1109,7 @@ def paged_decode(
             )
     elif v_from_k and cfg.heads_m:
         mla_heads_kernel[(programs, splits)](
-            SCALES_IN_LOOP=cfg.heads_scales_in_loop,
+            ENTRIES_IN_PLACE=cfg.heads_entries_in_place,
             **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N"),
         )
     elif v_from_k and cfg.latent_quarters and dim >= 64:
@@ -1196,7 +1197,7 @@ def _stream_decode(
     }  # fmt: skip
     if cfg.heads_m:  # its tile sizes are the kernel's own constants
         mla_heads_stream_kernel[(programs, head_blocks)](
-            FP8=kv_scale is not None, SCALES_IN_LOOP=cfg.heads_scales_in_loop, **stage_one
+            FP8=kv_scale is not None, ENTRIES_IN_PLACE=cfg.heads_entries_in_place, **stage_one
         )
     else:
         mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
