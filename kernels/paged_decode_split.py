@@ -122,6 +122,9 @@ MLA_HEADS_M_STREAM = replace(MLA_HEADS_M, stream=True)
 # the most requests it takes: their tile ends (4 bytes each) share the 227 KB of an SM's shared
 # memory with the query, two tiles, their scales and p (225 KB)
 HEADS_STREAM_MAX_BATCH = 256
+# ... from this many tokens: the 16-request mix, the smallest measured, where it was 1.01-1.13x
+# the split plan in two runs (fp8_kv_flashmla_heads_stream.json, _heads_scales.json)
+HEADS_STREAM_MIN_TOKENS = 61440
 # From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
 # Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
 # 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
@@ -157,15 +160,16 @@ STREAM_MIN_TOKENS = 98304
 
 
 def prefers_stream(
-    total_tokens: int | None, batch: int, max_seq_len: int, max_batch: int = STREAM_MAX_BATCH
-) -> bool:
+    total_tokens: int | None, batch: int, max_seq_len: int, max_batch: int = STREAM_MAX_BATCH,
+    min_tokens: int = STREAM_MIN_TOKENS,
+) -> bool:  # fmt: skip
     """Whether the stream schedule is the faster one: the batch fits it (at most ``max_batch``
-    requests), and its total is known, large enough, and well below batch x the longest length
-    (uneven lengths)."""
+    requests), and its total is known, at least ``min_tokens``, and well below batch x the
+    longest length (uneven lengths)."""
     return (
         total_tokens is not None
         and batch <= max_batch
-        and total_tokens >= STREAM_MIN_TOKENS
+        and total_tokens >= min_tokens
         and total_tokens <= UNEVEN_SHARE * batch * max_seq_len
     )
 
@@ -177,7 +181,8 @@ def with_stream(
     it: for the 16-heads FP8 Gluon kernels the e4m3 one, from 64 heads the heads-as-M one."""
     if (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
         return MLA_FP8_E4M3_STREAM
-    if cfg.heads_m and prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH):
+    if cfg.heads_m and prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH,
+                                      HEADS_STREAM_MIN_TOKENS):  # fmt: skip
         return MLA_HEADS_M_STREAM
     return cfg
 

@@ -11,6 +11,7 @@ import torch
 from tessera.kernels.paged_decode_split import (
     E4M3_MAX_SPLIT_TOKENS,
     HEADS_STREAM_MAX_BATCH,
+    HEADS_STREAM_MIN_TOKENS,
     MLA_FP8_E4M3_STREAM,
     MLA_HEADS_M,
     MLA_HEADS_M_STREAM,
@@ -74,6 +75,10 @@ def test_uneven_batches_take_the_stream_kernel_of_their_head_count(heads, fp8):
         assert streamed == (MLA_FP8_E4M3_STREAM if fp8 else cfg)
     assert with_stream(cfg, len(mix) * 8192, len(mix), 8192) == cfg  # equal lengths
     assert with_stream(cfg, None, len(mix), max(mix)) == cfg  # no total given
+    small = mix[:16]  # 61,440 tokens: the heads-as-M kernel's smallest stream batch
+    assert sum(small) == HEADS_STREAM_MIN_TOKENS < STREAM_MIN_TOKENS
+    assert with_stream(cfg, sum(small), 16, 8192) == (MLA_HEADS_M_STREAM if heads >= 64 else cfg)
+    assert with_stream(cfg, sum(mix[:8]), 8, 8192) == cfg
     many = [64, 8192] * (HEADS_STREAM_MAX_BATCH // 2 + 1)
     past = with_stream(cfg, sum(many), len(many), 8192)
     assert past == (cfg if heads >= 64 or not fp8 else MLA_FP8_E4M3_STREAM)
