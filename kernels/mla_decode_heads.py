@@ -3,7 +3,9 @@ MMA, in Gluon: the heads are the MMA's M, so every KV tile is read once for 64 h
 
 Stage 1 of the split decode (``paged_decode_split``'s merge is stage 2), the same math as the
 Triton kernels, for BF16 pages and for FP8 (e4m3, per-token scales) pages. One program per
-(request, block of 64 heads, split), 8 warps in two warpgroups, 64 tokens a tile:
+(request, block of 64 heads, split) (``mla_heads_kernel``), or on the stream schedule one per
+(run of the batch's tiles, block of 64 heads) (``mla_heads_stream_kernel``, ``mla_stream``);
+8 warps in two warpgroups, 64 tokens a tile:
 
 - the scores ``q @ K^T`` ([64 heads, 64 tokens], K = 512 + 64): each warpgroup computes 32 of
   the tile's tokens, reading the query (in shared memory for the whole split) and the tile;
@@ -16,11 +18,12 @@ Triton kernels, for BF16 pages and for FP8 (e4m3, per-token scales) pages. One p
 
 Tiles are double-buffered: the next tile's bytes are in flight through this tile's products.
 BF16 tiles go straight to shared memory (``cp.async``); FP8 tiles are loaded into registers a
-tile ahead as 32-bit words, widened to fp16 (one ``cvt`` per two values) and stored once. The
-per-token scales go to the fp32 scores and to the probabilities (relative to the tile's
-largest, with the accumulator re-based on it), never to the tile. Shared memory: the query and
-two tiles (72 KB each) and p: one program an SM. Needs sm_90 and a compiled run (Gluon has no
-interpreter); the launcher runs the Triton kernel under the interpreter and off Hopper.
+tile ahead as 32-bit words, widened to fp16 (one ``cvt`` per two values) and stored once, their
+per-token scales beside them. The scales go to the fp32 scores and to the probabilities
+(relative to the tile's largest, with the accumulator re-based on it), never to the tile.
+Shared memory: the query and two tiles (72 KB each), their scales and p: one program an SM.
+Needs sm_90 and a compiled run (Gluon has no interpreter); the launcher runs the Triton kernel
+under the interpreter and off Hopper.
 """
 
 from __future__ import annotations
