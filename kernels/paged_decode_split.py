@@ -202,8 +202,8 @@ def pick_config(
     on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from
     ``WGMMA_MIN_TOKENS`` the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``);
     ``MLA_FP8_TRITON`` below that and off Hopper.
-    (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes the
-    e4m3 kernel on the stream schedule instead of these: ``prefers_stream``.)
+    (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes a
+    kernel on the stream schedule instead: ``with_stream``, at every head count.)
     64+ heads: 64 heads a program, so each tile is read once instead of by four 16-head
     programs, in the Gluon kernel with the heads as the MMA's M (``MLA_HEADS_M``, one 8-warp
     program per SM), BF16 and FP8: 0.98-2.30x the Triton 64-heads kernel (``MLA_HEADS_TRITON``,
