@@ -1185,12 +1185,12 @@ def _stream_decode(
     lens = {"seq_lens": table.seq_lens, "indptr": table.indptr, "batch": batch,
             "LENS_ARE_ENDS": table.seq_lens_are_ends, "BATCH_P2": batch_p2}  # fmt: skip
     parts = {"part_out": part_out, "part_lse": part_lse}
+    scales = kv if kv_scale is None else kv_scale  # unused when BF16
     stage_one = {
-        "Q": q, "KV": kv, "KV_SCALE": kv if kv_scale is None else kv_scale,
-        "indices": table.indices, "out": out, "sm_scale_log2e": sm_scale * LOG2E,
-        "num_heads": num_heads, "stride_qb": q.stride(0), "stride_qh": q.stride(1),
-        "stride_kv_slot": kv.stride(0),
-        "stride_s_slot": (kv if kv_scale is None else kv_scale).stride(0),
+        "Q": q, "KV": kv, "KV_SCALE": scales, "indices": table.indices, "out": out,
+        "sm_scale_log2e": sm_scale * LOG2E, "num_heads": num_heads, "stride_qb": q.stride(0),
+        "stride_qh": q.stride(1), "stride_kv_slot": kv.stride(0),
+        "stride_s_slot": scales.stride(0),
         "stride_ob": out.stride(0), "stride_oh": out.stride(1), "stride_pb": part_out.stride(0),
         "stride_ph": part_out.stride(1), "stride_ps": part_out.stride(2),
         "PAGE_SIZE": table.page_size, "ENTRIES_PER_PAGE": table.entries_per_page, "D": dim,
