@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from accuracy import rel_l2
+from flashmla_peer import flashmla_decode
 from tessera.kernels.fp8_kv_convert import convert_pages_bf16_to_fp8
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
@@ -292,8 +293,8 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
             row[f"ours_{dtype}_{name}_error"] = repr(e)[:300]
     if flashmla is not None:
         try:
-            _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, heads, latent, ref,
-                           ref_pt, tokens)  # fmt: skip
+            _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, latent, ref, ref_pt,
+                           tokens)  # fmt: skip
         except Exception as e:  # recorded, not fatal: ours are still worth having
             row["flashmla_error"] = repr(e)[:300]
     if sglang and not mixed:
@@ -315,36 +316,26 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
     return row
 
 
-def _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, heads, latent, ref, ref_pt,
-                   tokens):  # fmt: skip
+def _time_flashmla(row, flashmla, case, q, kv, kv8pt, s8pt, sm, latent, ref, ref_pt, tokens):
     """FlashMLA BF16 and FP8 (one scale per tensor, q cast to e4m3 with scale 1, as SGLang's
-    flashmla backend calls it) on the bench's pages and tables, into ``row``."""
+    flashmla backend calls it: ``flashmla_peer.py``) on the bench's pages and tables, into
+    ``row``."""
     n_ref = ref.shape[0]
-    fm_meta = flashmla.get_mla_metadata()[0]  # filled by its first call (outside capture)
-    q4 = [x.unsqueeze(1) for x in q]  # [B, 1, H, 576]
-    q8 = [x.to(FP8_DTYPE) for x in q4]  # cast outside the timed calls (SGLang casts per step)
-    fm_meta8 = flashmla.get_mla_metadata()[0]
-    fm_meta8.tile_scheduler_metadata, fm_meta8.num_splits = (
-        flashmla.get_mla_decoding_metadata(case.lens, heads, 1, heads, is_fp8_kvcache=True,
-                                           use_legacy=True))  # fmt: skip
-    one = torch.ones(1, device="cuda")
-    k_descale = s8pt.reshape(1).float()
+    bf16_calls = [flashmla_decode(flashmla, q[i], kv, case.block_tables[i], case.lens, latent, sm)
+                  for i in range(case.sets)]  # fmt: skip
+    fp8_calls = [flashmla_decode(flashmla, q[i], kv8pt, case.block_tables[i], case.lens, latent,
+                                 sm, s8pt) for i in range(case.sets)]  # fmt: skip
 
     def fm_bf16(i):
-        return flashmla.flash_mla_with_kvcache(
-            q4[i], kv, case.block_tables[i], case.lens, latent, fm_meta, softmax_scale=sm,
-            use_legacy=True)[0]  # fmt: skip
+        return bf16_calls[i]()
 
     def fm_fp8(i):
-        return flashmla.flash_mla_with_kvcache(
-            q8[i], kv8pt, case.block_tables[i], case.lens, latent, fm_meta8,
-            softmax_scale=sm, is_fp8_kvcache=True, use_legacy=True, descale_q=one,
-            descale_k=k_descale)[0]  # fmt: skip
+        return fp8_calls[i]()
 
     row["flashmla_bf16_us"] = graph_time_us(fm_bf16, case.sets)
     row["flashmla_fp8_us"] = graph_time_us(fm_fp8, case.sets)
-    fb = fm_bf16(0).squeeze(1)[:n_ref]
-    f8 = fm_fp8(0).squeeze(1)[:n_ref]
+    fb = fm_bf16(0)[:n_ref]
+    f8 = fm_fp8(0)[:n_ref]
     row["err_flashmla_bf16"] = rel_l2(fb, ref)
     row["err_flashmla_fp8"] = rel_l2(f8, ref)
     row["err_flashmla_fp8_vs_dequant"] = rel_l2(f8, ref_pt)

@@ -12,10 +12,14 @@ weights SGLang creates and repacks; SGLang's path (Marlin, JIT-compiled by SGLan
 against the same scheme patched by tessera's adapter, and the adapter against ``w4a16_matmul`` /
 ``fused_moe`` called directly on the same converted weights.
 
+With ``--flashmla`` the MLA rows also time FlashMLA (the ``sgl-flash-mla`` wheel's kernels as
+SGLang's ``flashmla`` backend calls them, ``flashmla_peer.py``) on the same pages, through a
+block table of the same pages: what SGLang would run instead of the routed call.
+
 Every time is the median of CUDA-graph replays (``bench/timing.py``); every output is checked
 against the other side. Prints a table last; writes sglang_adapter.json.
 
-    python bench/sglang_adapter.py [--quick] [--out DIR]
+    python bench/sglang_adapter.py [--quick] [--flashmla] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 import triton
 from accuracy import rel_l2
+from flashmla_peer import flashmla_decode
 from tessera.kernels.paged_decode_bf16 import paged_decode_bf16, paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_fp8, paged_decode_mla_fp8
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
@@ -97,6 +102,8 @@ class Tables:
         self.kv_indptr = (torch.arange(batch + 1) * ctx).to(torch.int32).cuda()
         self.kv_indices = slots.flatten().cuda()
         self.page_table = PageTable.from_page_lists(pages.tolist(), lens, PAGE, "cuda")
+        self.block_table = pages.to(torch.int32).cuda()  # FlashMLA's form of the same pages
+        self.lens = torch.tensor(lens, dtype=torch.int32).cuda()
         self.ctx = ctx
 
 
@@ -113,7 +120,8 @@ def sglang_call(fn, q, k, v, o, t: Tables, sm_scale, k_scale, v_scale, mla: bool
     return run
 
 
-def bench_decode(kind: str, kv: str, batch: int, ctx: int, heads: int, kv_heads: int, dim: int):
+def bench_decode(kind: str, kv: str, batch: int, ctx: int, heads: int, kv_heads: int, dim: int,
+                 flashmla=None):  # fmt: skip
     from sglang.kernels.ops.attention import decode_attention as sglang_module
 
     original = sglang_module.decode_attention_fwd
@@ -174,6 +182,17 @@ def bench_decode(kind: str, kv: str, batch: int, ctx: int, heads: int, kv_heads:
         "direct": direct,
         "direct_sglang_table": direct_sglang_table,
     }
+    if mla and flashmla is not None:  # the same slots as pages of PAGE tokens
+        pages = k.view(t.num_slots // PAGE, PAGE, 1, qk_dim)
+        descale = ks if kv == "fp8" else None
+        fm = flashmla_decode(flashmla, q, pages, t.block_table, t.lens, MLA_LATENT, sm_scale,
+                             descale)  # fmt: skip
+        outs["flashmla"] = torch.empty_like(outs["direct"])
+
+        def flashmla_call(_i: int) -> None:
+            outs["flashmla"].copy_(fm())
+
+        calls["flashmla"] = flashmla_call
     for c in calls.values():
         c(0)
     torch.cuda.synchronize()
@@ -187,6 +206,9 @@ def bench_decode(kind: str, kv: str, batch: int, ctx: int, heads: int, kv_heads:
         row[f"{n}_us"] = graph_time_us(c, 1)
     row["speedup_vs_sglang"] = row["sglang_us"] / row["adapter_us"]
     row["adapter_overhead"] = row["adapter_us"] / row["direct_us"] - 1
+    if "flashmla" in calls:  # its own error (e4m3 q for FP8) against the adapter's
+        row["rel_l2_flashmla_vs_adapter"] = rel_l2(outs["flashmla"], outs["adapter"])
+        row["adapter_vs_flashmla"] = row["flashmla_us"] / row["adapter_us"]
     kv_bytes = t.kv_indices.numel() * (k.shape[1] * k.shape[2] * k.element_size())
     if not mla:
         kv_bytes *= 2
@@ -370,6 +392,7 @@ def meta(args: argparse.Namespace) -> dict:
         "commit": args.commit or None,
         "command": f"python bench/sglang_adapter.py --sections {args.sections}"
         + (" --quick" if args.quick else "")
+        + (" --flashmla" if args.flashmla else "")
         + (" --no-sglang-moe" if args.no_sglang_moe else ""),
         "timing": "median of CUDA-graph replays (bench/timing.py)",
     }
@@ -399,6 +422,8 @@ def main() -> None:
         action="store_true",
         help="MoE: time the adapter and the direct call only (skips Marlin's JIT build)",
     )
+    ap.add_argument("--flashmla", action="store_true",
+                    help="time FlashMLA beside the adapter on the MLA decode rows")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
     a = ap.parse_args()
@@ -406,13 +431,16 @@ def main() -> None:
     results: dict = {"meta": {**meta(a), "sgl_kernel": sgl_kernel_status()}}
     decode = [("gqa", 32, 4096, 32, 8, 128), ("gqa", 8, 16384, 32, 8, 128),
               ("mla", 32, 4096, 16, 1, 512), ("mla", 8, 16384, 16, 1, 512),
-              ("mla", 64, 2048, 16, 1, 512)]  # fmt: skip
+              ("mla", 64, 2048, 16, 1, 512), ("mla", 32, 4096, 64, 1, 512),
+              ("mla", 32, 4096, 128, 1, 512)]  # fmt: skip
     if a.quick:
         decode = decode[::2]
+    flashmla = importlib.import_module("flash_mla") if a.flashmla else None
     sections = set(a.sections.split(","))
     for kind, batch, ctx, heads, kv_heads, dim in decode if "decode" in sections else ():
         for kv in ("bf16", "fp8"):
-            attempt(results, "decode", bench_decode, kind, kv, batch, ctx, heads, kv_heads, dim)
+            attempt(results, "decode", bench_decode, kind, kv, batch, ctx, heads, kv_heads, dim,
+                    flashmla)  # fmt: skip
             print(results.get("decode", [{}])[-1], flush=True)
     m_values = (1, 16) if a.quick else (1, 16, 64)
     linear = [(16384, 7168, 128), (4608, 7168, 32), (7168, 2304, 32)]
@@ -432,6 +460,10 @@ def print_table(results: dict) -> None:
     for r in results.get("decode", []):
         case = f"{r['kind']} {r['kv']} b{r['batch']} ctx{r['ctx']} h{r['heads']}"
         _line("decode", case, r)
+        if "flashmla_us" in r:  # what SGLang's flashmla backend would run instead
+            print(f"{'':8s} {'  FlashMLA':35s} {r['flashmla_us']:9.1f} us: adapter "
+                  f"{r['adapter_vs_flashmla']:.2f}x its speed, rel "
+                  f"{r['rel_l2_flashmla_vs_adapter']:.1e}")  # fmt: skip
     for r in results.get("linear", []):
         _line("linear", f"{r['n']}x{r['k']} g{r['group']} m{r['m']}", r)
     for r in results.get("moe", []):
