@@ -6,9 +6,12 @@ BF16 and FP8 kernels, each launched twice on the same pages (the first launch co
 warms up).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
-        --section WarpStateStats -k regex:mla --csv python bench/mla_profile.py [HEADS BATCH CTX]
+        --section WarpStateStats -k regex:"mla|flash|merge" --csv \\
+        python bench/mla_profile.py [HEADS BATCH CTX]
 
 The profile of the second launch of each kernel is the one to read; bench/results holds one.
+(``merge`` in the filter adds our stage 2, the merge of the splits' partial outputs, beside
+FlashMLA's combine kernel.)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from dataclasses import replace
 
 import torch
+from flashmla_peer import flashmla_decode
 from fp8_kv_decode import PagedCase, fp8_copies
 from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
@@ -28,7 +32,6 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_WGMMA,
     MLA_HEADS_TRITON,
 )
-from tessera.kernels.paged_kv import FP8_DTYPE
 
 # the Gluon kernels' sides alone (the other only hands buffers over): which side bounds them;
 # the widening kernel's, the e4m3 one on 64-token tiles whole and by side, and on 128-token
@@ -69,20 +72,10 @@ def main() -> None:
     try:
         import flash_mla
 
-        meta = flash_mla.get_mla_metadata()[0]
-        meta8 = flash_mla.get_mla_metadata()[0]
-        meta8.tile_scheduler_metadata, meta8.num_splits = flash_mla.get_mla_decoding_metadata(
-            case.lens, heads, 1, heads, is_fp8_kvcache=True, use_legacy=True
-        )
-        q4, q8 = q.unsqueeze(1), q.unsqueeze(1).to(FP8_DTYPE)
-        one = torch.ones(1, device="cuda")
-        runs["flashmla_bf16"] = lambda: flash_mla.flash_mla_with_kvcache(
-            q4, kv, case.block_tables[0], case.lens, 512, meta, softmax_scale=sm, use_legacy=True
-        )
-        runs["flashmla_fp8"] = lambda: flash_mla.flash_mla_with_kvcache(
-            q8, kv8pt, case.block_tables[0], case.lens, 512, meta8, softmax_scale=sm,
-            is_fp8_kvcache=True, use_legacy=True, descale_q=one, descale_k=s8pt.reshape(1),
-        )  # fmt: skip
+        table = case.block_tables[0]
+        runs["flashmla_bf16"] = flashmla_decode(flash_mla, q, kv, table, case.lens, 512, sm)
+        runs["flashmla_fp8"] = flashmla_decode(flash_mla, q, kv8pt, table, case.lens, 512, sm,
+                                               s8pt)  # fmt: skip
     except ImportError:
         print("flash_mla not installed: ours only", file=sys.stderr)
     for name, run in runs.items():
