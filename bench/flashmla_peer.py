@@ -2,7 +2,7 @@
 1.0.0 wheel's legacy SM90 kernels, BF16 pages, or e4m3 pages with one scale per tensor and the
 query cast to e4m3 at scale 1. Shared by the benchmarks that time it beside tessera's kernels
 (``fp8_kv_decode.py``, kernel to kernel; ``sglang_adapter.py``, beside SGLang's call routed by
-tessera's adapter)."""
+tessera's adapter; ``mla_profile.py``, under the profiler)."""
 
 from __future__ import annotations
 
