@@ -117,11 +117,16 @@ def _models(phase_spec: Mapping[str, Any], image: str,
         return ({"name": "models", "persistentVolumeClaim": {"claimName": claim,
                                                              "readOnly": True}},
                 {**mount, "subPath": cache_dir(uri)}, [])
-    # Room for the checkpoint plus 5% (file-system overhead, the fetch's own state).
-    size = {"sizeLimit": str(checkpoint_bytes + checkpoint_bytes // 20)} if checkpoint_bytes else {}
+    size = {"sizeLimit": str(fetched_weights_disk(checkpoint_bytes))} if checkpoint_bytes else {}
     fetch = fetch_container(image, uri, weights.get("credentialsSecret"),
                             {"name": "models", "mountPath": c.MODELS_DIR})
     return {"name": "models", "emptyDir": size}, mount, [fetch]
+
+
+def fetched_weights_disk(checkpoint_bytes: int) -> int:
+    """The node-local disk a pod that fetches its own weights fills: the checkpoint plus 5%
+    (file-system overhead, the fetch's own state)."""
+    return checkpoint_bytes + checkpoint_bytes // 20
 
 
 def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
@@ -222,6 +227,11 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     rdma_resources, security, network_annotations, host_network = phase_network(phase_spec)
     annotations.update(network_annotations)
     resources = {c.GPU_RESOURCE: gpus, **rdma_resources}
+    # Weights fetched into an emptyDir fill the node's local disk: requested, so the scheduler
+    # places the pod only where they fit (a node short of disk would fail the fetch part-way,
+    # or evict the pod under disk pressure).
+    local_disk = ({"ephemeral-storage": str(fetched_weights_disk(checkpoint_bytes))}
+                  if init_containers and checkpoint_bytes else {})
     ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"},
              {"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}]
     if phase == c.PREFILL:
@@ -236,7 +246,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
         "env": _runtime_env() + (_group_env() if multi_node else []),
         "ports": ports,
         # Extended resources (GPUs, RDMA devices) need requests equal to limits.
-        "resources": {"requests": resources, "limits": dict(resources)},
+        "resources": {"requests": {**resources, **local_disk}, "limits": dict(resources)},
         **({"securityContext": security} if security else {}),
         # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can
         # take half an hour, which the startup probe allows before liveness applies.

@@ -28,6 +28,9 @@ class NodePool:
     gpu_product: str = H200
     cpu: str = "224"
     memory: str = "2Ti"
+    # node-local disk for emptyDirs (pods that fetch their weights request its size): a DGX
+    # H200's eight 3.84 TB NVMe drives
+    ephemeral_storage: str = "27Ti"
     max_pods: int = 250
     # RDMA devices each node advertises, as a device plugin would (e.g. {"rdma/ib": 8}), so
     # the scheduler places RDMA-requesting pods only here. Empty: a pool without RDMA.
@@ -78,6 +81,7 @@ def node_manifest(pool: NodePool, index: int) -> dict[str, Any]:
     resources = {
         "cpu": pool.cpu,
         "memory": pool.memory,
+        "ephemeral-storage": pool.ephemeral_storage,
         "pods": str(pool.max_pods),
         GPU_RESOURCE: str(pool.gpus_per_node),
         **{resource: str(count) for resource, count in pool.rdma.items()},

@@ -118,6 +118,8 @@ def test_default_pools_make_two_ready_to_schedule_h200_nodes_each() -> None:
         assert labels["tessera.dev/pool"] in {"prefill", "decode"}
         assert node["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
         assert node["status"]["allocatable"][GPU_RESOURCE] == "8"
+        # local disk for the pods that fetch their weights (they request its size)
+        assert node["status"]["allocatable"]["ephemeral-storage"] == "27Ti"
         assert node["status"]["capacity"] == node["status"]["allocatable"]
 
 

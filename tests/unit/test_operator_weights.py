@@ -272,6 +272,7 @@ def test_phase_waits_for_its_fetch_then_mounts_the_cache_read_only() -> None:
     assert {"name": "models", "mountPath": "/models", "readOnly": True,
             "subPath": "s3/weights/kimi-int4"} in engine["volumeMounts"]
     assert "initContainers" not in pod
+    assert "ephemeral-storage" not in engine["resources"]["requests"]  # nothing on local disk
 
 
 def test_a_refused_credential_is_a_fetch_failure_that_says_so() -> None:
@@ -351,6 +352,10 @@ def test_without_a_cache_every_pod_fetches_into_a_volume_of_the_checkpoint_size(
     assert fetch["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
     (engine,) = pod["containers"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
+    # the scheduler places it only on a node with that much local disk free (requested, and
+    # not a limit: the emptyDir's sizeLimit already bounds it)
+    assert engine["resources"]["requests"]["ephemeral-storage"] == str(size + size // 20)
+    assert "ephemeral-storage" not in engine["resources"]["limits"]
     assert any(f.reason == "WeightsDownloadedPerReplica" and "every replica (2) downloads about"
                in f.message for f in plan.findings)
 
