@@ -181,6 +181,22 @@ def endpoint_selector(spec: Mapping[str, Any], name: str, phase: str) -> dict[st
     return labels
 
 
+# An engine pod's host needs a GPU, where the phase's `resources` leaves them unset: its
+# scheduler process polls a core without sleeping, and NCCL, the tokenizer and the detokenizer
+# want more; the process holds a CUDA context, torch and NCCL buffers.
+CPUS_PER_GPU = 4
+MEMORY_GIB_PER_GPU = 16
+SHM_GIB = 64  # the pod's /dev/shm (NCCL, SGLang's scheduler), a memory-backed emptyDir
+
+
+def host_requests(phase_spec: Mapping[str, Any], gpus: int) -> Obj:
+    """The CPU and memory an engine pod of `gpus` GPUs requests: the phase's `resources`, or
+    the per-GPU defaults plus its /dev/shm (which counts as the pod's memory)."""
+    asked = phase_spec.get("resources", {})
+    return {"cpu": str(asked.get("cpu", CPUS_PER_GPU * gpus)),
+            "memory": str(asked.get("memory", f"{MEMORY_GIB_PER_GPU * gpus + SHM_GIB}Gi"))}
+
+
 def phase_network(phase_spec: Mapping[str, Any]) -> tuple[Obj, Obj, Obj, Obj]:
     """A phase's KV-transfer network as pod parts: (extra resources per pod, container
     security context, pod annotations, pod spec fields). All empty without `network`."""
@@ -217,7 +233,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     spec, name = md["spec"], md["metadata"]["name"]
     phase_spec = spec[phase]
     multi_node = nodes_per_replica(spec, phase) > 1
-    gpus = str(gpus_per_pod(phase_spec, gpus_per_node(spec)))
+    gpus = gpus_per_pod(phase_spec, gpus_per_node(spec))
     models_volume, models_mount, init_containers = _models(phase_spec, spec["engine"]["image"],
                                                            checkpoint_bytes)
     labels = selector_labels(name, phase)
@@ -226,7 +242,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     annotations = {c.ANNOTATION_PHASE_HASH: stable_hash(config_text)}
     rdma_resources, security, network_annotations, host_network = phase_network(phase_spec)
     annotations.update(network_annotations)
-    resources = {c.GPU_RESOURCE: gpus, **rdma_resources}
+    resources = {c.GPU_RESOURCE: str(gpus), **rdma_resources}
     # Weights fetched into an emptyDir fill the node's local disk: requested, so the scheduler
     # places the pod only where they fit (a node short of disk would fail the fetch part-way,
     # or evict the pod under disk pressure).
@@ -245,8 +261,10 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
         "command": list(c.RUNTIME_ENGINE),
         "env": _runtime_env() + (_group_env() if multi_node else []),
         "ports": ports,
-        # Extended resources (GPUs, RDMA devices) need requests equal to limits.
-        "resources": {"requests": {**resources, **local_disk}, "limits": dict(resources)},
+        # Extended resources (GPUs, RDMA devices) need requests equal to limits; CPU, memory
+        # and local disk are requested only (a limit would throttle or kill the engine).
+        "resources": {"requests": {**host_requests(phase_spec, gpus), **resources, **local_disk},
+                      "limits": dict(resources)},
         **({"securityContext": security} if security else {}),
         # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can
         # take half an hour, which the startup probe allows before liveness applies.
@@ -267,7 +285,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
             {"name": "config",
              "configMap": {"name": child_name(name, phase, "config")}},
             # NCCL and SGLang's scheduler exchange tensors through shared memory.
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_GIB}Gi"}},
             *([models_volume] if models_volume else []),
         ],
     }

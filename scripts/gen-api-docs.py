@@ -30,7 +30,8 @@ Schema = Mapping[str, Any]
 
 def _type(schema: Schema) -> str:
     """The field's type and limits, e.g. `integer, 0..256` or `string: bf16 \\| fp8`."""
-    kind = schema.get("type", "any")
+    kind = schema.get("type", "integer or string" if schema.get("x-kubernetes-int-or-string")
+                      else "any")
     if kind == "array":
         kind = f"list of {schema.get('items', {}).get('type', 'any')}"
     if "additionalProperties" in schema:

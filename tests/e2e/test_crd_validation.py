@@ -49,6 +49,10 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["spec.decode.tensorParallel", "Unsupported value"]),
     ("mem fraction 0.99", lambda m: m["spec"]["prefill"].update(memFractionStatic=0.99),
      ["spec.prefill.memFractionStatic", "less than or equal to 0.95"]),
+    ("cpu not a quantity", lambda m: m["spec"]["decode"].update(resources={"cpu": "lots"}),
+     ["spec.decode.resources.cpu", "positive Kubernetes quantity"]),
+    ("no memory", lambda m: m["spec"]["prefill"].update(resources={"memory": "0Gi"}),
+     ["spec.prefill.resources.memory", "positive Kubernetes quantity"]),
     ("unknown preset", lambda m: m["spec"]["model"]["architecture"].update(preset="llama"),
      ["spec.model.architecture.preset", "Unsupported value"]),
     ("context length 0", lambda m: m["spec"]["model"].update(contextLength=0),
@@ -149,6 +153,14 @@ def test_conversion_into_a_pvc_is_accepted(crd: None, kubectl: Any, namespace: s
     m["spec"]["decode"]["weights"].update(uri="pvc://ckpt/i4", convertFrom={"uri": source})
     if not source.startswith("pvc://"):  # the fetch of a remote source may carry credentials
         m["spec"]["decode"]["weights"]["credentialsSecret"] = "hf-token"
+    kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
+
+
+def test_host_resources_as_numbers_or_quantities_are_accepted(crd: None, kubectl: Any,
+                                                              namespace: str) -> None:
+    m = valid()
+    m["spec"]["prefill"]["resources"] = {"cpu": 48, "memory": "512Gi"}
+    m["spec"]["decode"]["resources"] = {"cpu": "31500m", "memory": 200 * 2**30}
     kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=m)
 
 

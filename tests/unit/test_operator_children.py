@@ -71,6 +71,27 @@ def test_every_child_is_owned_labelled_and_hashed(md: dict[str, Any]) -> None:
         assert meta["annotations"][c.ANNOTATION_DESIRED_HASH] == stable_hash(unhashed)
 
 
+def test_engine_pods_request_host_cpu_and_memory_by_their_gpus_or_as_the_phase_says() -> None:
+    md = example("01-kimi-k2")
+    md["spec"]["prefill"]["resources"] = {"cpu": 48, "memory": "512Gi"}  # an int: a quantity too
+    children = children_of(md)
+
+    def requests(phase: str) -> dict[str, str]:
+        name = f"{md['metadata']['name']}-{phase}"
+        (engine,) = children[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+        assert "cpu" not in engine["resources"]["limits"]  # requested, never limited
+        assert "memory" not in engine["resources"]["limits"]
+        return engine["resources"]["requests"]
+
+    assert (requests("prefill")["cpu"], requests("prefill")["memory"]) == ("48", "512Gi")
+    assert (requests("decode")["cpu"], requests("decode")["memory"]) == ("32", "192Gi")
+    md = example("02-glm-5")
+    md["spec"]["decode"]["tensorParallel"] = 4  # two pods a node: each half the CPUs
+    md["spec"]["decode"]["expertParallel"] = 1
+    children = children_of(md)
+    assert (requests("decode")["cpu"], requests("decode")["memory"]) == ("16", "128Gi")
+
+
 def test_engine_pod_template_schedules_on_the_gpu_pool() -> None:
     decode = children_of(example("01-kimi-k2"))[("Deployment", "kimi-k2-decode")]
     pod = decode["spec"]["template"]
@@ -83,8 +104,11 @@ def test_engine_pod_template_schedules_on_the_gpu_pool() -> None:
                                            "effect": "NoSchedule"}]
     (engine,) = pod["spec"]["containers"]
     assert engine["command"] == ["tessera-runtime", "serve"]
-    assert engine["resources"] == {"requests": {"nvidia.com/gpu": "8"},
-                                   "limits": {"nvidia.com/gpu": "8"}}
+    # GPUs requested and limited; host CPU and memory (4 and 16 GiB a GPU, plus the 64 GiB of
+    # /dev/shm) requested only
+    assert engine["resources"] == {
+        "requests": {"nvidia.com/gpu": "8", "cpu": "32", "memory": "192Gi"},
+        "limits": {"nvidia.com/gpu": "8"}}
     assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {
         "http": 30000, "metrics": 9400}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -42,7 +42,7 @@ def test_without_network_the_pods_are_as_before_and_the_transfer_is_tcp() -> Non
     for phase in ("prefill", "decode"):
         template, config = engine(kimi(), phase)
         pod, container = template["spec"], template["spec"]["containers"][0]
-        assert container["resources"]["requests"] == {"nvidia.com/gpu": "8"}
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
         assert "securityContext" not in container
         assert c.ANNOTATION_NETWORKS not in template["metadata"]["annotations"]
         assert "hostNetwork" not in pod and "dnsPolicy" not in pod
@@ -58,7 +58,8 @@ def test_rdma_renders_resources_ipc_lock_attachments_and_the_config() -> None:
         template, config = engine(md, phase)
         container = template["spec"]["containers"][0]
         want = {"nvidia.com/gpu": "8", "rdma/ib": "2"}
-        assert container["resources"] == {"requests": want, "limits": want}
+        assert container["resources"]["limits"] == want
+        assert want.items() <= container["resources"]["requests"].items()
         # IPC_LOCK is the only capability added; nothing else in the security context.
         assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
         assert template["metadata"]["annotations"][c.ANNOTATION_NETWORKS] == (
