@@ -373,6 +373,11 @@ def disruption_budget(md: Mapping[str, Any], component: str) -> Obj:
     }
 
 
+# The router's requests: one core and a little memory for its prefix tree, so it is not the
+# first pod evicted from a node short of memory (it is every request's way in).
+ROUTER_REQUESTS = {"cpu": "1", "memory": "2Gi"}
+
+
 def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
     spec, name = md["spec"], md["metadata"]["name"]
     router = spec.get("router", {})
@@ -385,6 +390,7 @@ def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
         "env": _runtime_env(),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": c.PORT_ROUTER_METRICS, "protocol": "TCP"}],
+        "resources": {"requests": dict(ROUTER_REQUESTS)},  # no GPU, and no limits
         "readinessProbe": _http_probe("/health", 5, 3),
         "livenessProbe": _http_probe("/health", 15, 4),
         "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True}],

@@ -171,7 +171,8 @@ def test_router_discovers_each_phase_by_label() -> None:
     pod = kids[("Deployment", "kimi-k2-router")]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "kimi-k2-router"
     assert pod["containers"][0]["command"] == ["tessera-runtime", "router"]
-    assert "resources" not in pod["containers"][0]  # no GPU for the router
+    # no GPU for the router, and host requests only
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
 
 
 def test_engine_pods_may_only_create_events() -> None:
