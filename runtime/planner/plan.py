@@ -393,8 +393,9 @@ def _download_findings(spec: Mapping[str, Any], phases: list[PhaseSpec],
         out.append(Finding(
             "warning", "WeightsDownloadedPerReplica",
             f"{phase.name}: every replica ({phase.replicas}) downloads about {size / 1e9:.0f} GB "
-            f"from {uri} at each start (no weights.cache); name a claim in weights.cache.pvc "
-            "to fetch once and mount it read-only.", CAPACITY))
+            f"from {uri} at each start (no weights.cache) onto its node's local disk, which each "
+            "pod requests (ephemeral-storage); name a claim in weights.cache.pvc to fetch once "
+            "and mount it read-only.", CAPACITY))
     return out
 
 
