@@ -189,6 +189,12 @@ MEMORY_GIB_PER_GPU = 16
 SHM_GIB = 64  # the pod's /dev/shm (NCCL, SGLang's scheduler), a memory-backed emptyDir
 
 
+# How long a stopping engine may drain, where the phase leaves it unset: SGLang finishes its
+# in-flight requests on SIGTERM (checking every 5 s), then gives its schedulers 15 s to exit and
+# its other processes 60 s; Kubernetes' default 30 s would cut a long answer mid-way.
+DRAIN_SECONDS = 600
+
+
 def host_requests(phase_spec: Mapping[str, Any], gpus: int) -> Obj:
     """The CPU and memory an engine pod of `gpus` GPUs requests: the phase's `resources`, or
     the per-GPU defaults plus its /dev/shm (which counts as the pod's memory)."""
@@ -278,6 +284,8 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     pod_spec = {
         **phase_scheduling(spec, phase),
         **host_network,
+        "terminationGracePeriodSeconds": int(phase_spec.get("terminationGracePeriodSeconds",
+                                                            DRAIN_SECONDS)),
         "serviceAccountName": child_name(name, c.ENGINE),
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],

@@ -53,6 +53,8 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["spec.decode.resources.cpu", "positive Kubernetes quantity"]),
     ("no memory", lambda m: m["spec"]["prefill"].update(resources={"memory": "0Gi"}),
      ["spec.prefill.resources.memory", "positive Kubernetes quantity"]),
+    ("no time to drain", lambda m: m["spec"]["decode"].update(terminationGracePeriodSeconds=5),
+     ["spec.decode.terminationGracePeriodSeconds", "greater than or equal to 30"]),
     ("unknown preset", lambda m: m["spec"]["model"]["architecture"].update(preset="llama"),
      ["spec.model.architecture.preset", "Unsupported value"]),
     ("context length 0", lambda m: m["spec"]["model"].update(contextLength=0),

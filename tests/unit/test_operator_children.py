@@ -92,6 +92,18 @@ def test_engine_pods_request_host_cpu_and_memory_by_their_gpus_or_as_the_phase_s
     assert (requests("decode")["cpu"], requests("decode")["memory"]) == ("16", "128Gi")
 
 
+def test_engine_pods_get_time_to_drain_their_requests() -> None:
+    md = example("01-kimi-k2")
+    md["spec"]["decode"]["terminationGracePeriodSeconds"] = 1800
+    children = children_of(md)
+
+    def grace(phase: str) -> int:
+        pod = children[("Deployment", f"kimi-k2-{phase}")]["spec"]["template"]["spec"]
+        return pod["terminationGracePeriodSeconds"]
+
+    assert (grace("prefill"), grace("decode")) == (600, 1800)  # SGLang drains on SIGTERM
+
+
 def test_engine_pod_template_schedules_on_the_gpu_pool() -> None:
     decode = children_of(example("01-kimi-k2"))[("Deployment", "kimi-k2-decode")]
     pod = decode["spec"]["template"]
