@@ -130,7 +130,8 @@ def fetched_weights_disk(checkpoint_bytes: int) -> int:
 
 
 def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
-    """The node selector (pool merged with phase) and the pool's tolerations of a phase's pods."""
+    """The node selector (pool merged with phase), the pool's tolerations and priority class
+    of a phase's pods."""
     pool = spec.get("nodePool", {})
     out: Obj = {}
     selector = {**pool.get("nodeSelector", {}), **spec[phase].get("nodeSelector", {})}
@@ -138,7 +139,13 @@ def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
         out["nodeSelector"] = selector
     if pool.get("tolerations"):
         out["tolerations"] = [dict(t) for t in pool["tolerations"]]
-    return out
+    return {**out, **_priority(spec)}
+
+
+def _priority(spec: Mapping[str, Any]) -> Obj:
+    """The pool's priority class, for every pod of the deployment."""
+    name = spec.get("nodePool", {}).get("priorityClassName")
+    return {"priorityClassName": name} if name else {}
 
 
 def _http_probe(path: str, period: int, failures: int) -> Obj:
@@ -404,6 +411,7 @@ def router_deployment(md: Mapping[str, Any], config_text: str) -> Obj:
         "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True}],
     }
     pod_spec: Obj = {
+        **_priority(spec),
         "serviceAccountName": child_name(name, c.ROUTER),
         "containers": [container],
         "volumes": [{"name": "config",

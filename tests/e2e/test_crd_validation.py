@@ -55,6 +55,8 @@ CASES: list[tuple[str, Edit, list[str]]] = [
      ["spec.prefill.resources.memory", "positive Kubernetes quantity"]),
     ("no time to drain", lambda m: m["spec"]["decode"].update(terminationGracePeriodSeconds=5),
      ["spec.decode.terminationGracePeriodSeconds", "greater than or equal to 30"]),
+    ("priority class in capitals", lambda m: m["spec"].setdefault("nodePool", {}).update(
+        priorityClassName="LLM-Serving"), ["spec.nodePool.priorityClassName", "should match"]),
     ("unknown preset", lambda m: m["spec"]["model"]["architecture"].update(preset="llama"),
      ["spec.model.architecture.preset", "Unsupported value"]),
     ("context length 0", lambda m: m["spec"]["model"].update(contextLength=0),

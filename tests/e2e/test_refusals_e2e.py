@@ -207,6 +207,19 @@ def test_pod_security_restricted_refuses_the_pods_and_says_so(
     quiet_log(operator, log_offset)
 
 
+def test_a_priority_class_that_does_not_exist_refuses_the_pods_and_says_so(
+        operator: Operator, kubectl: Any, namespace: str, log_offset: int) -> None:
+    md = tiny("prio")
+    md["spec"].setdefault("nodePool", {})["priorityClassName"] = f"absent-{namespace}"
+    apply(kubectl, namespace, md)
+    degraded = poll("Degraded to quote the missing PriorityClass", lambda: (
+        cond := conditions(get_md(kubectl, namespace, "prio")).get("Degraded", {}))
+        and "no PriorityClass with name" in cond.get("message", "") and cond)
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodsRejected")
+    assert f"absent-{namespace}" in degraded["message"]
+    quiet_log(operator, log_offset)
+
+
 def test_engine_pods_pass_pod_security_baseline(operator: Operator, kubectl: Any,
                                                 namespace: str) -> None:
     kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline")

@@ -104,6 +104,17 @@ def test_engine_pods_get_time_to_drain_their_requests() -> None:
     assert (grace("prefill"), grace("decode")) == (600, 1800)  # SGLang drains on SIGTERM
 
 
+def test_every_pod_gets_the_pool_priority_class() -> None:
+    md = example("01-kimi-k2")
+    assert all("priorityClassName" not in kid["spec"]["template"]["spec"]
+               for (kind, _), kid in children_of(md).items() if kind == "Deployment")
+    md["spec"]["nodePool"]["priorityClassName"] = "llm-serving"
+    deployments = [kid for (kind, _), kid in children_of(md).items() if kind == "Deployment"]
+    assert len(deployments) == 3  # both phases and the router
+    assert {d["spec"]["template"]["spec"]["priorityClassName"] for d in deployments} == {
+        "llm-serving"}
+
+
 def test_engine_pod_template_schedules_on_the_gpu_pool() -> None:
     decode = children_of(example("01-kimi-k2"))[("Deployment", "kimi-k2-decode")]
     pod = decode["spec"]["template"]

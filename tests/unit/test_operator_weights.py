@@ -249,6 +249,10 @@ def test_a_cache_claim_gets_one_fetch_job_that_fails_fast_on_permanent_errors() 
     assert container["volumeMounts"] == [{"name": "cache", "mountPath": "/models",
                                           "subPath": "s3/weights/kimi-int4"}]
     assert spec["template"]["metadata"]["labels"][c.LABEL_PHASE] == c.FETCHER
+    assert "priorityClassName" not in pod
+    md["spec"]["nodePool"]["priorityClassName"] = "llm-serving"  # the deployment's pods' class
+    (job,) = jobs_of(md)
+    assert job["spec"]["template"]["spec"]["priorityClassName"] == "llm-serving"
 
 
 def test_phase_waits_for_its_fetch_then_mounts_the_cache_read_only() -> None:
