@@ -117,16 +117,11 @@ def _models(phase_spec: Mapping[str, Any], image: str,
         return ({"name": "models", "persistentVolumeClaim": {"claimName": claim,
                                                              "readOnly": True}},
                 {**mount, "subPath": cache_dir(uri)}, [])
-    size = {"sizeLimit": str(fetched_weights_disk(checkpoint_bytes))} if checkpoint_bytes else {}
+    # Room for the checkpoint plus 5% (file-system overhead, the fetch's own state).
+    size = {"sizeLimit": str(checkpoint_bytes + checkpoint_bytes // 20)} if checkpoint_bytes else {}
     fetch = fetch_container(image, uri, weights.get("credentialsSecret"),
                             {"name": "models", "mountPath": c.MODELS_DIR})
     return {"name": "models", "emptyDir": size}, mount, [fetch]
-
-
-def fetched_weights_disk(checkpoint_bytes: int) -> int:
-    """The node-local disk a pod that fetches its own weights fills: the checkpoint plus 5%
-    (file-system overhead, the fetch's own state)."""
-    return checkpoint_bytes + checkpoint_bytes // 20
 
 
 def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
@@ -256,11 +251,11 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     rdma_resources, security, network_annotations, host_network = phase_network(phase_spec)
     annotations.update(network_annotations)
     resources = {c.GPU_RESOURCE: str(gpus), **rdma_resources}
-    # Weights fetched into an emptyDir fill the node's local disk: requested, so the scheduler
-    # places the pod only where they fit (a node short of disk would fail the fetch part-way,
-    # or evict the pod under disk pressure).
-    local_disk = ({"ephemeral-storage": str(fetched_weights_disk(checkpoint_bytes))}
-                  if init_containers and checkpoint_bytes else {})
+    # Weights fetched into an emptyDir fill the node's local disk: its size is requested, so the
+    # scheduler places the pod only where they fit (a node short of disk would fail the fetch
+    # part-way, or evict the pod under disk pressure).
+    disk = (models_volume or {}).get("emptyDir", {}).get("sizeLimit")
+    local_disk = {"ephemeral-storage": disk} if disk else {}
     ports = [{"name": "http", "containerPort": c.PORT_HTTP, "protocol": "TCP"},
              {"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}]
     if phase == c.PREFILL:
@@ -388,8 +383,9 @@ def disruption_budget(md: Mapping[str, Any], component: str) -> Obj:
     }
 
 
-# The router's requests: one core and a little memory for its prefix tree, so it is not the
-# first pod evicted from a node short of memory (it is every request's way in).
+# The router's requests (estimated, not measured): one core and a little memory for its prefix
+# tree, so it is not the first pod evicted from a node short of memory (it is every request's
+# way in).
 ROUTER_REQUESTS = {"cpu": "1", "memory": "2Gi"}
 
 
