@@ -137,6 +137,19 @@ def phase_scheduling(spec: Mapping[str, Any], phase: str) -> Obj:
     return {**out, **_priority(spec)}
 
 
+def group_affinity(spec: Mapping[str, Any], name: str, phase: str) -> Obj:
+    """Every pod of one LeaderWorkerSet group on nodes sharing one value of the pool's
+    `replicaTopologyKey` (a leaf switch, a rack): a replica's collectives then cross no spine.
+    LWS labels a group's pods with their group's key; `matchLabelKeys` turns that into "my own
+    group", so other groups may share the domain (unlike LWS's exclusive-topology)."""
+    key = spec.get("nodePool", {}).get("replicaTopologyKey")
+    if not key or nodes_per_replica(spec, phase) == 1:
+        return {}
+    term = {"labelSelector": {"matchLabels": selector_labels(name, phase)},
+            "matchLabelKeys": [c.LWS_LABEL_GROUP_KEY], "topologyKey": key}
+    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}}
+
+
 def _priority(spec: Mapping[str, Any]) -> Obj:
     """The pool's priority class, for every pod of the deployment."""
     name = spec.get("nodePool", {}).get("priorityClassName")
@@ -285,6 +298,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     }
     pod_spec = {
         **phase_scheduling(spec, phase),
+        **group_affinity(spec, name, phase),
         **host_network,
         "terminationGracePeriodSeconds": int(phase_spec.get("terminationGracePeriodSeconds",
                                                             DRAIN_SECONDS)),

@@ -53,6 +53,7 @@ LWS_PLURAL = "leaderworkersets"
 # LWS labels every pod of a group with its index in the group; the leader is "0".
 LWS_LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_LABEL_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_LABEL_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"  # one value a group, set by LWS
 LWS_LEADER_INDEX = "0"
 # LWS's pod webhook puts these into every container (first in env, so later entries may
 # refer to them as $(NAME)): the leader's DNS name and this pod's index in its group.

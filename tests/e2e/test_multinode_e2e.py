@@ -32,14 +32,17 @@ POOL = "wide"
 TAINT = {"key": "tessera.dev/wide", "value": "true", "effect": "NoSchedule"}
 GROUP_INDEX = c.LWS_LABEL_GROUP_INDEX
 READY_TIMEOUT_S = 120.0
+BLOCK = "tessera.dev/block"  # two network blocks of two nodes each, for replicaTopologyKey
 
 
 @pytest.fixture(scope="module")
 def wide_pool(cluster: Any) -> Iterator[list[str]]:
-    """Four 8-GPU nodes for two TP-16 replicas, tainted for this module's deployments."""
+    """Four 8-GPU nodes for two TP-16 replicas, tainted for this module's deployments, in two
+    blocks (nodes 0 and 1, nodes 2 and 3)."""
     nodes = [node_manifest(NodePool(POOL, nodes=4), i) for i in range(4)]
-    for node in nodes:
+    for i, node in enumerate(nodes):
         node["spec"] = {"taints": [TAINT]}
+        node["metadata"]["labels"][BLOCK] = "ab"[i // 2]
     cluster.kubectl("apply", "-f", "-", input={"apiVersion": "v1", "kind": "List",
                                                "items": nodes})
     names = [n["metadata"]["name"] for n in nodes]
@@ -156,6 +159,29 @@ def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
     handlers._list_unwatched(memo)
     listed = memo.reconciler.store.get(c.LWS_KIND, namespace, "mn-prefill")
     assert listed is not None and listed["status"]["readyReplicas"] == 2
+
+
+def test_a_replica_topology_key_puts_each_group_in_one_block(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    md = wide("blk")
+    md["spec"]["nodePool"]["replicaTopologyKey"] = BLOCK
+    apply(kubectl, namespace, md)
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "blk"), READY_TIMEOUT_S)
+    block = {n["metadata"]["name"]: n["metadata"]["labels"][BLOCK] for n in json.loads(
+        kubectl("get", "nodes", "-l", f"{POOL_LABEL}={POOL}", "-o", "json").stdout)["items"]}
+    by_group = groups(kubectl, namespace)
+    assert sorted(by_group) == ["0", "1"]
+    placed = {g: sorted(block[p["spec"]["nodeName"]] for p in group.values())
+              for g, group in by_group.items()}
+    assert sorted(map(tuple, placed.values())) == [("a", "a"), ("b", "b")], placed
+    # The API server narrowed each pod's term to its own group (LWS's key, set by its webhook).
+    for group in by_group.values():
+        for pod in group.values():
+            affinity = pod["spec"]["affinity"]["podAffinity"]
+            [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+            key = pod["metadata"]["labels"][c.LWS_LABEL_GROUP_KEY]
+            assert {"key": c.LWS_LABEL_GROUP_KEY, "operator": "In", "values": [key]} in \
+                term["labelSelector"]["matchExpressions"]
 
 
 def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(

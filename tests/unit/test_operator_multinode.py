@@ -304,3 +304,23 @@ def test_the_router_discovers_only_leaders_through_its_own_parser() -> None:
     assert parsed.prefill_selector == {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: "prefill",
                                        "leaderworkerset.sigs.k8s.io/worker-index": "0"}
     assert parsed.decode_selector == {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: "decode"}
+
+
+def test_a_replica_topology_key_keeps_each_group_in_one_block_and_only_groups() -> None:
+    md = kimi()
+    md["spec"]["nodePool"]["replicaTopologyKey"] = "network.example.com/leaf"
+    got = children(md)
+    pod = got[(c.LWS_KIND, "kimi-k2-prefill")]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    affinity = pod["spec"]["affinity"]["podAffinity"]
+    [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "network.example.com/leaf"
+    # Its own group's pods (the key LWS sets per group), among this phase's pods only.
+    assert term["matchLabelKeys"] == ["leaderworkerset.sigs.k8s.io/group-key"]
+    assert term["labelSelector"] == {"matchLabels": {c.LABEL_DEPLOYMENT: "kimi-k2",
+                                                     c.LABEL_PHASE: "prefill"}}
+    # Decode's replicas fit one node: nothing to keep together.
+    decode = got[("Deployment", "kimi-k2-decode")]["spec"]["template"]["spec"]
+    assert "affinity" not in decode
+    # Without the key, groups go anywhere in the pool.
+    plain = children(kimi())[(c.LWS_KIND, "kimi-k2-prefill")]
+    assert "affinity" not in plain["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
