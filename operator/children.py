@@ -257,6 +257,12 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
     gpus = gpus_per_pod(phase_spec, gpus_per_node(spec))
     models_volume, models_mount, init_containers = _models(phase_spec, spec["engine"]["image"],
                                                            checkpoint_bytes)
+    host = host_requests(phase_spec, gpus)
+    # The fetch asks for the engine's CPU and memory: the pod's request is the larger of an init
+    # container's and the engine's, so this costs the node nothing, and a download sharing the
+    # node with busy pods gets its share of CPU instead of the least.
+    init_containers = [{**init, "resources": {"requests": dict(host)}}
+                       for init in init_containers]
     labels = selector_labels(name, phase)
     # The runtime config is mounted, not part of the template: its hash in the template is what
     # rolls this phase's pods (and only this phase's) when its config changes.
@@ -284,7 +290,7 @@ def engine_pod_template(md: Mapping[str, Any], phase: str, config_text: str,
         "ports": ports,
         # Extended resources (GPUs, RDMA devices) need requests equal to limits; CPU, memory
         # and local disk are requested only (a limit would throttle or kill the engine).
-        "resources": {"requests": {**host_requests(phase_spec, gpus), **resources, **local_disk},
+        "resources": {"requests": {**host, **resources, **local_disk},
                       "limits": dict(resources)},
         **({"securityContext": security} if security else {}),
         # SGLang: /health answers once the server is up; loading a 1T-parameter checkpoint can

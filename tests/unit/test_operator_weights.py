@@ -360,6 +360,10 @@ def test_without_a_cache_every_pod_fetches_into_a_volume_of_the_checkpoint_size(
     # not a limit: the emptyDir's sizeLimit already bounds it)
     assert engine["resources"]["requests"]["ephemeral-storage"] == str(size + size // 20)
     assert "ephemeral-storage" not in engine["resources"]["limits"]
+    # the fetch asks for the engine's CPU and memory (the pod's request stays the engine's)
+    assert fetch["resources"] == {"requests": {"cpu": "32", "memory": "192Gi"}}
+    assert {k: engine["resources"]["requests"][k] for k in ("cpu", "memory")} == \
+        fetch["resources"]["requests"]
     assert any(f.reason == "WeightsDownloadedPerReplica" and "every replica (2) downloads about"
                in f.message for f in plan.findings)
 
