@@ -50,6 +50,7 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8_ref,
 )
 from tessera.kernels.paged_decode_split import (
+    MAX_SPLITS,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
@@ -60,6 +61,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_M_STREAM,
     MLA_HEADS_TRITON,
     DecodeConfig,
+    pick_config,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
@@ -411,15 +413,16 @@ GQA_VARIANTS = {"default": None}
 # (fp8_kv_flashmla_variants.json) also timed 8 warps for "t", e4m3 PV products (pv1, pv2: 2x
 # slower, the e4m3 V transposed byte by byte) and an fp16 V in the transposed kernel (2.4x
 # slower): all lost, and are not timed again.
+LONG_SPLITS = {"min_split_tiles": 4, "max_splits": MAX_SPLITS, "merge_at_once": False}
 MLA_PEER_VARIANTS = {
     "t": ("bf16", DecodeConfig(64, 16, 4, 2, True, 3, whole_waves=True, tokens_as_m=True)),
     "t_qk2": (
         "fp8",
         DecodeConfig(64, 16, 4, 2, True, 2, whole_waves=True, qk_fp8_parts=2, tokens_as_m=True),
     ),
-    # the FP8 kernels the default picks between by the batch's tokens (WGMMA_MIN_TOKENS,
-    # E4M3_IN_PLACE_MIN_TOKENS, E4M3_MIN_TOKENS), each timed everywhere: the Triton one (also
-    # what runs off Hopper), the Gluon one that widens each tile to fp16, and the Gluon ones
+    # the FP8 kernels the default picks between by the batch's tokens
+    # (E4M3_IN_PLACE_MIN_TOKENS, E4M3_MIN_TOKENS), each timed everywhere: the Triton one (what
+    # runs off Hopper), the Gluon one that widens each tile to fp16, and the Gluon ones
     # with both products in e4m3 (q and p in two e4m3 parts; V^T an MMA operand in registers,
     # on 64- or 128-token tiles, or written over each tile's latent part by the producer)
     "triton": ("fp8", MLA_FP8_TRITON),
@@ -454,6 +457,12 @@ MLA_PEER_VARIANTS = {
     # meaningless): the producer's loads and widening, the consumer's products and softmax
     "wgmma_producer_only": ("fp8", replace(MLA_FP8_WGMMA, only=1)),
     "wgmma_consumer_only": ("fp8", replace(MLA_FP8_WGMMA, only=2)),
+    # the 16-heads kernels on the split plans before SHORT_SPLITS (four tiles a split at least,
+    # 64 splits at most, the serial merge), and the Triton FP8 kernel below 4,096 tokens then
+    "bf16_long_splits": ("bf16", replace(pick_config(512, 16, mla=True), **LONG_SPLITS)),
+    "wgmma_long_splits": ("fp8", replace(MLA_FP8_WGMMA, **LONG_SPLITS)),
+    "e4m3_in_place_long_splits": ("fp8", replace(MLA_FP8_E4M3_IN_PLACE, **LONG_SPLITS)),
+    "e4m3_128_long_splits": ("fp8", replace(MLA_FP8_E4M3_128, **LONG_SPLITS)),
 }
 MLA_WIDE_PEER_VARIANTS = {  # 64+ heads; the default is the Gluon heads-as-M kernel
     # the Triton 64-heads kernel: the default before the Gluon one, and what runs off Hopper

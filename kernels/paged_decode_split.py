@@ -78,8 +78,27 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
+    # the split plans' fewest tiles a split and most splits a request: fewer tiles a split give
+    # short contexts more programs (a shorter chain of tiles in each), more splits a longer
+    # stage 2
+    min_split_tiles: int = 4
+    max_splits: int = MAX_SPLITS
+    # stage 2 as one tile a program (``_merge_at_once_kernel``: every split's partial output of
+    # a slice of dims read at once) instead of one split after the other
+    merge_at_once: bool = False
 
 
+# The split plans of the 16-heads Hopper MLA kernels (BF16, and the FP8 Gluon ones): splits as
+# short as one tile, up to 256 a request, merged at once. At one request a split's time is a
+# fixed part plus its chain of tiles, and the serial merge cost 2.5x FlashMLA's a split
+# (docs/kernels-fp8-kv.md), so the four-tile, 64-split plans left most SMs idle at short
+# contexts and long chains at long ones. Side by side with the earlier plans and FlashMLA
+# (bench/results/fp8_kv_flashmla_short_splits.json, 16 heads): one request of 1k/4k/32k, FP8
+# 8.0/10.5/18.8 us against 13.2/16.4/31.4 (FlashMLA 9.6/13.3/23.6), BF16 8.8/10.2/24.3 against
+# 13.3/19.2/53.3; 8 heads, one request of 8k: FP8 10.7 against 19.0, BF16 11.4 against 22.7;
+# from 8 requests 1.00-1.09x the earlier plans' speed. 64+ heads keep the earlier plan: the
+# at-once merge ran 0.91-0.93x the serial one at 128 heads (16-request mix).
+SHORT_SPLITS = {"min_split_tiles": 1, "max_splits": 256, "merge_at_once": True}
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
 # (Triton's interpreter, GPUs other than Hopper). The latent in quarters, 32 tokens a tile, 186
 # registers capped at 168 (3 programs per SM).
@@ -88,7 +107,7 @@ MLA_FP8_TRITON = DecodeConfig(32, 16, 4, 2, True, 3, whole_waves=True, max_regis
 # (plan_balanced_waves): over the 1k-8k mixes of 64 and 256 requests 1.04-1.20x one wave
 # (bench/results/fp8_kv_flashmla_fused2_quick.json, the "wgmma_pps2" variant).
 MLA_FP8_WGMMA = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, wgmma=True,
-                             balanced_waves=2)  # fmt: skip
+                             balanced_waves=2, **SHORT_SPLITS)  # fmt: skip
 # The e4m3 kernels' output product adds every tile of a split into one accumulator inside the
 # tensor cores, whose FP8 MMAs add with fewer bits than fp32 (as DeepSeek-V3's report found on
 # Hopper), so their error grows with a split's tiles: against their own dequantized pages
@@ -100,7 +119,8 @@ E4M3_MAX_SPLIT_TOKENS = 8192
 # The same plan with both products in e4m3 (mla_decode_e4m3.py); on 128-token tiles
 # (MLA_FP8_E4M3_128) the FP8 default from E4M3_MIN_TOKENS.
 MLA_FP8_E4M3 = DecodeConfig(64, 16, 4, 1, True, 1, whole_waves=True, e4m3=True,
-                            balanced_waves=2, max_split_tokens=E4M3_MAX_SPLIT_TOKENS)  # fmt: skip
+                            balanced_waves=2, max_split_tokens=E4M3_MAX_SPLIT_TOKENS,
+                            **SHORT_SPLITS)  # fmt: skip
 # ... with V^T written over each tile by its producer (mla_decode_e4m3_inplace.py): from
 # E4M3_IN_PLACE_MIN_TOKENS to E4M3_MIN_TOKENS.
 MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
@@ -122,11 +142,6 @@ HEADS_STREAM_MAX_BATCH = 256
 # ... from this many tokens: the 16-request mix, the smallest measured, where it was 1.01-1.13x
 # the split plan in two runs (fp8_kv_flashmla_heads_stream.json, _heads_scales.json)
 HEADS_STREAM_MIN_TOKENS = 61440
-# From this many tokens in a batch the Gluon kernel (one program an SM) is faster than the
-# Triton one on every shape measured but one: 1.08x at one request of 4k, 1.12x at one of 8k,
-# 1.16-1.59x from 16k tokens; the exception, 8 requests of 1k, ties (0.99x). Below it, one
-# request of 1k: 0.97x (bench/results/fp8_kv_flashmla.json, which times both on every shape).
-WGMMA_MIN_TOKENS = 4096
 # From this many tokens the e4m3 kernel with V^T in registers on 128-token tiles is the
 # fastest: 1.02-1.05x the 64-token one on every shape of 393k-2M tokens at 8 and 16 heads, and
 # more accurate (fewer tiles summed in the tensor cores: 2.4-3.8e-3 against 2.5-4.3e-3;
@@ -199,9 +214,10 @@ def pick_config(
     quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs a warp-specialized
     Gluon kernel (one program per SM): from ``E4M3_MIN_TOKENS`` the one with both products in
     e4m3 on 128-token tiles (``MLA_FP8_E4M3_128``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same
-    on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), from
-    ``WGMMA_MIN_TOKENS`` the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``);
-    ``MLA_FP8_TRITON`` below that and off Hopper.
+    on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), below that
+    the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``: with the short splits
+    1.6x the Triton kernel at one request of 1k, where it was 0.97x); ``MLA_FP8_TRITON`` off
+    Hopper. The 16-heads kernels split as short as one tile (``SHORT_SPLITS``).
     (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes a
     kernel on the stream schedule instead: ``with_stream``, at every head count.)
     64+ heads: 64 heads a program, so each tile is read once instead of by four 16-head
@@ -217,8 +233,8 @@ def pick_config(
                 return MLA_FP8_E4M3_128
             if tokens >= E4M3_IN_PLACE_MIN_TOKENS:
                 return MLA_FP8_E4M3_IN_PLACE
-            return MLA_FP8_WGMMA if tokens >= WGMMA_MIN_TOKENS else MLA_FP8_TRITON
-        return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True)
+            return MLA_FP8_WGMMA
+        return DecodeConfig(32, 16, 4, 2, True, 4, whole_waves=True, **SHORT_SPLITS)
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     block_n = min(256, 16384 // head_dim)
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
@@ -231,8 +247,11 @@ def plan_splits(
     num_sms: int,
     programs_per_sm: int = 4,
     whole_waves: bool = False,
+    min_tiles: int = 4,
+    max_splits: int = MAX_SPLITS,
 ) -> int:
-    """How many splits of the context, at least four tiles each so the loads can pipeline.
+    """How many splits of the context, at least ``min_tiles`` tiles each so the loads can
+    pipeline, at most ``max_splits``.
 
     By default enough programs to fill the GPU ``programs_per_sm`` times over (rounded up: for
     bandwidth-bound kernels a last partial wave costs little). With ``whole_waves``, as many
@@ -240,41 +259,44 @@ def plan_splits(
     slots = programs_per_sm * num_sms
     programs = max(programs, 1)
     by_occupancy = max(1, slots // programs) if whole_waves else triton.cdiv(slots, programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), 4 * block_n)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    by_length = triton.cdiv(max(max_seq_len, 1), min_tiles * block_n)
+    return max(1, min(by_occupancy, by_length, max_splits))
 
 
 def plan_balanced_splits(
-    total_tokens: int, max_seq_len: int, block_n: int, slots: int
-) -> tuple[int, int]:
+    total_tokens: int, max_seq_len: int, block_n: int, slots: int, min_tiles: int = 4,
+    max_splits: int = MAX_SPLITS,
+) -> tuple[int, int]:  # fmt: skip
     """(splits, tokens per split) when the batch's total length is known: every split of every
     request gets the same number of tokens, about ``total_tokens / slots``, so with mixed
     lengths the long requests get more splits instead of longer ones (the kernel's time is its
-    longest program). At least four tiles a split, at most ``MAX_SPLITS`` splits a request."""
+    longest program). At least ``min_tiles`` tiles a split, at most ``max_splits`` splits a
+    request."""
     per_program = triton.cdiv(max(total_tokens, 1), max(slots, 1))
     split_len = max(
         triton.cdiv(per_program, block_n) * block_n,
-        4 * block_n,
-        triton.cdiv(max_seq_len, MAX_SPLITS * block_n) * block_n,
+        min_tiles * block_n,
+        triton.cdiv(max_seq_len, max_splits * block_n) * block_n,
     )
-    split_len = min(split_len, max(triton.cdiv(max_seq_len, block_n), 4) * block_n)
+    split_len = min(split_len, max(triton.cdiv(max_seq_len, block_n), min_tiles) * block_n)
     return max(1, triton.cdiv(max_seq_len, split_len)), split_len
 
 
 def cap_split_tokens(
-    splits: int, fixed_split_len: int, max_seq_len: int, cap: int, block_n: int
-) -> tuple[int, int]:
+    splits: int, fixed_split_len: int, max_seq_len: int, cap: int, block_n: int,
+    max_splits: int = MAX_SPLITS,
+) -> tuple[int, int]:  # fmt: skip
     """(splits, fixed_split_len) with no split longer than ``cap`` tokens (0: no cap), as
-    far as ``MAX_SPLITS`` allows: more splits of the same requests (``fixed_split_len`` 0 is the
+    far as ``max_splits`` allows: more splits of the same requests (``fixed_split_len`` 0 is the
     equal-parts plan, whose parts are whole tiles)."""
     if not cap:
         return splits, fixed_split_len
     cap = max(cap // block_n, 1) * block_n
     if fixed_split_len:
         fixed_split_len = min(fixed_split_len, max(cap, triton.cdiv(
-            max_seq_len, MAX_SPLITS * block_n) * block_n))  # fmt: skip
+            max_seq_len, max_splits * block_n) * block_n))  # fmt: skip
         return max(1, triton.cdiv(max_seq_len, fixed_split_len)), fixed_split_len
-    return min(max(splits, triton.cdiv(max_seq_len, cap)), MAX_SPLITS), 0
+    return min(max(splits, triton.cdiv(max_seq_len, cap)), max_splits), 0
 
 
 # how far past a wave the one-wave balanced plan's estimate may go before two waves pay
@@ -283,19 +305,21 @@ ONE_WAVE_SLACK = 1.15
 
 
 def plan_balanced_waves(
-    total_tokens: int, max_seq_len: int, block_n: int, wave: int, requests: int, waves: int
-) -> tuple[int, int]:
+    total_tokens: int, max_seq_len: int, block_n: int, wave: int, requests: int, waves: int,
+    min_tiles: int = 4, max_splits: int = MAX_SPLITS,
+) -> tuple[int, int]:  # fmt: skip
     """``plan_balanced_splits`` for ``waves`` waves of ``wave`` programs, or for one where that
     plan is expected to fit one, or overflow it by less than ``ONE_WAVE_SLACK``: a request's last
     split is half full on average, so about ``total / split + requests / 2`` programs. On the
     1k-8k mix (bench/results/fp8_kv_flashmla.json, 8-16 heads, timed side by side): two waves
     took 0.81-0.95x the time of one at 64 and 256 requests (estimate 1.21-1.94 waves), 1.05-1.09x
     at 32 (1.09 waves, 152 programs of 132); at 16 both plans are one wave."""
-    one = plan_balanced_splits(total_tokens, max_seq_len, block_n, wave)
+    limits = {"min_tiles": min_tiles, "max_splits": max_splits}
+    one = plan_balanced_splits(total_tokens, max_seq_len, block_n, wave, **limits)
     estimate = triton.cdiv(max(total_tokens, 1), one[1]) + requests // 2
     if waves == 1 or estimate <= wave * ONE_WAVE_SLACK:
         return one
-    return plan_balanced_splits(total_tokens, max_seq_len, block_n, wave * waves)
+    return plan_balanced_splits(total_tokens, max_seq_len, block_n, wave * waves, **limits)
 
 
 @functools.cache
@@ -933,6 +957,32 @@ def _merge_kernel(
 
 
 @triton.jit
+def _merge_at_once_kernel(
+    part_out, part_lse, out, num_splits, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    """``_merge_kernel`` as one tile a program: request ``b``, head ``h``, dims ``c * BLOCK_DV``
+    on, every split's partial output of them loaded at once, so the loads do not wait on each
+    other split after split. A split whose log-sum-exp is -inf (past its request's end: the
+    Gluon kernels leave its output unwritten) is not read."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    offs_s = tl.arange(0, SPLITS_P2)
+    lse = tl.load(part_lse + (b * stride_pb + h * stride_ph) // DV + offs_s,
+                  mask=offs_s < num_splits, other=float("-inf"))  # fmt: skip
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty request: every weight below is 0
+    weight = tl.exp2(lse - m)
+    total = tl.sum(weight, axis=0)
+    offs_dv = c * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    rows = part_out + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+    x = tl.load(rows + offs_dv[None, :], mask=(lse > float("-inf"))[:, None], other=0.0)
+    result = tl.sum(weight[:, None] * x, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_dv, result.to(out.dtype.element_ty))
+
+
+@triton.jit
 def _stream_merge_kernel(
     part_out, part_lse, out, seq_lens, indptr, batch, programs, stride_pp, stride_ph,
     stride_ps, stride_ob, stride_oh, LENS_ARE_ENDS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1056,11 +1106,11 @@ def paged_decode(
         kv_scale = scales[0] if scales is not None else None
         _stream_decode(q, k_rows, kv_scale, table, sm_scale, rope_dim, out, cfg, tokens, sms)
         return out
+    limits = {"min_tiles": cfg.min_split_tiles, "max_splits": cfg.max_splits}
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
-        splits = plan_splits(
-            programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves
-        )
+        splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
+                             cfg.whole_waves, **limits)  # fmt: skip
     else:
         splits, fixed_split_len = plan_balanced_waves(
             total_tokens * num_kv_heads * head_blocks,
@@ -1069,9 +1119,10 @@ def paged_decode(
             cfg.programs_per_sm * sms,
             programs,
             cfg.balanced_waves,
+            **limits,
         )
     splits, fixed_split_len = cap_split_tokens(
-        splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n
+        splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n, cfg.max_splits
     )
 
     part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
@@ -1128,22 +1179,33 @@ def paged_decode(
             stride_vs_slot=v_scale.stride(0), stride_vs_head=v_scale.stride(1),
             DV=dv, V_FROM_K=v_from_k, **shared,
         )  # fmt: skip
-    _merge_kernel[(batch, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        num_heads,
-        splits,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        out.stride(0),
-        out.stride(1),
-        DV=dv,
-        SPLITS_P2=triton.next_power_of_2(splits),
-        num_warps=4 if dv >= 256 else 2,
-    )
+    _merge(part_out, part_lse, out, cfg.merge_at_once)
     return out
+
+
+def merge_dims_a_program(splits: int, dv: int) -> int:
+    """``_merge_at_once_kernel``'s slice of dims: its tile (every split's row of them) at most
+    8,192 floats, 64 registers a thread of its 4 warps, and at least 16 dims (64 bytes a row)."""
+    return max(16, min(dv, 8192 // triton.next_power_of_2(splits)))
+
+
+def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, at_once: bool):
+    """Stage 2: ``out[b, h]`` from the splits' partial outputs ``part_out[b, h, s]``."""
+    batch, num_heads, splits, dv = part_out.shape
+    strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), out.stride(0),
+               out.stride(1))  # fmt: skip
+    splits_p2 = triton.next_power_of_2(splits)
+    if at_once:
+        block_dv = merge_dims_a_program(splits, dv)
+        _merge_at_once_kernel[(batch, num_heads, dv // block_dv)](
+            part_out, part_lse, out, splits, *strides, DV=dv, BLOCK_DV=block_dv,
+            SPLITS_P2=splits_p2, num_warps=4,
+        )  # fmt: skip
+    else:
+        _merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_heads, splits, *strides, DV=dv, SPLITS_P2=splits_p2,
+            num_warps=4 if dv >= 256 else 2,
+        )  # fmt: skip
 
 
 def stream_programs(tokens_bound: int, batch: int, block_n: int, max_split_tokens: int,

@@ -108,6 +108,21 @@ def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize(
+    ("heads", "config"),
+    [(16, MLA_FP8_WGMMA), (16, MLA_FP8_E4M3_IN_PLACE), (16, MLA_FP8_E4M3), (8, MLA_FP8_E4M3_128)],
+    ids=["wgmma", "in_place", "regs", "regs_128"],
+)  # fmt: skip
+def test_short_splits_merged_at_once_match_reference(balanced, heads, config):
+    """Each FP8 Gluon kernel with its splits as short as one tile, merged at once (the request
+    of 20k: 33 splits in equal parts at 16 heads, up to 105 on the balanced plans)."""
+    assert config.min_split_tiles == 1 and config.merge_at_once
+    run_mla("fp8", [1, 65, 700, 20000], 64, heads, config=config, balanced=balanced,
+            sglang_form=True)  # fmt: skip
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_heads_m_stream_cuts_requests_anywhere(kv_dtype, heads):

@@ -29,16 +29,18 @@ from tessera.kernels.paged_decode_split import (
     E4M3_IN_PLACE_MIN_TOKENS,
     E4M3_MAX_SPLIT_TOKENS,
     E4M3_MIN_TOKENS,
+    MAX_SPLITS,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
-    WGMMA_MIN_TOKENS,
     DecodeConfig,
+    _merge_at_once_kernel,
     _merge_kernel,
     cap_split_tokens,
+    merge_dims_a_program,
     pick_config,
     plan_balanced_splits,
     plan_balanced_waves,
@@ -284,25 +286,70 @@ def test_two_wave_plans_only_where_one_wave_overflows_by_much():
     )
 
 
-def test_merge_skips_splits_past_a_request_end():
+@pytest.mark.parametrize("at_once", [False, True])
+def test_merge_skips_splits_past_a_request_end(at_once):
     """Stage 2 reads no output of a split whose log-sum-exp is -inf (the Gluon kernels leave it
-    unwritten): NaN there changes nothing, and a request with no tokens at all merges to 0."""
-    batch, heads, splits, dv = 2, 3, 4, 32
+    unwritten): NaN there changes nothing, and a request with no tokens at all merges to 0.
+    Both forms: a split after the other, and every split at once over slices of the dims."""
+    batch, heads, splits, dv = 2, 3, 5, 64
     part_out = torch.randn(batch, heads, splits, dv, device=DEVICE)
     part_lse = torch.randn(batch, heads, splits, device=DEVICE)
-    part_lse[0, :, 2:] = float("-inf")  # request 0: its last two splits are empty
+    part_lse[0, :, 2:] = float("-inf")  # request 0: its last three splits are empty
     part_out[0, :, 2:] = float("nan")
     part_lse[1] = float("-inf")  # request 1: no tokens
     part_out[1] = float("nan")
     out = torch.empty(batch, heads, dv, device=DEVICE)
-    _merge_kernel[(batch, heads)](
-        part_out, part_lse, out, heads, splits, part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), out.stride(0), out.stride(1), DV=dv, SPLITS_P2=splits, num_warps=2,
-    )  # fmt: skip
+    strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), out.stride(0),
+               out.stride(1))  # fmt: skip
+    if at_once:
+        _merge_at_once_kernel[(batch, heads, 4)](
+            part_out, part_lse, out, splits, *strides, DV=dv, BLOCK_DV=16, SPLITS_P2=8,
+        )  # fmt: skip
+    else:
+        _merge_kernel[(batch, heads)](
+            part_out, part_lse, out, heads, splits, *strides, DV=dv, SPLITS_P2=8, num_warps=2
+        )  # fmt: skip
     weights = torch.softmax(part_lse[0, :, :2] * math.log(2), dim=-1)  # lse is in log2 units
     expected = (weights[..., None] * part_out[0, :, :2]).sum(1)
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_merge_at_once_tiles_stay_within_64_registers_a_thread():
+    assert merge_dims_a_program(4, 512) == 512  # few splits: a program a head, as before
+    assert merge_dims_a_program(64, 512) == 128
+    assert merge_dims_a_program(132, 512) == 32  # one request over every SM: 16 programs a head
+    assert merge_dims_a_program(1024, 512) == 16  # (past what any plan makes: rows stay 64 B)
+    assert merge_dims_a_program(2, 32) == 32
+
+
+def test_split_plans_take_their_tile_and_split_limits():
+    """One request of 1k on 132 SMs, one 64-token program an SM: four tiles a split give 4
+    programs, one tile 16; one of 32k is held to ``max_splits``."""
+    assert plan_splits(1, 1024, 64, 132, 1, whole_waves=True) == 4
+    assert plan_splits(1, 1024, 64, 132, 1, whole_waves=True, min_tiles=1) == 16
+    assert plan_splits(1, 32768, 64, 132, 1, whole_waves=True, min_tiles=1) == 64
+    assert plan_splits(1, 32768, 64, 132, 1, True, min_tiles=1, max_splits=256) == 132
+    assert plan_balanced_splits(1024, 1024, 64, 132) == (4, 256)
+    assert plan_balanced_splits(1024, 1024, 64, 132, min_tiles=1) == (16, 64)
+    splits, split_len = plan_balanced_splits(32768, 32768, 64, 132, 1, max_splits=256)
+    assert (splits, split_len) == (128, 256) and splits * split_len >= 32768
+    assert plan_balanced_waves(1024, 1024, 64, 132, 1, 2, min_tiles=1) == (16, 64)
+    assert cap_split_tokens(100, 0, 10**6, 8192, 64, max_splits=256) == (123, 0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_one_tile_splits_and_the_at_once_merge_match_reference(kv_dtype, balanced):
+    """Splits of one tile merged at once, planned for 64 programs an SM so that the long
+    request gets 69 of them (past ``MAX_SPLITS``, and 8 merge programs a head)."""
+    config = DecodeConfig(16, 16, 4, 2, True, 64, whole_waves=True, min_split_tiles=1,
+                          max_splits=128, merge_at_once=True)  # fmt: skip
+    assert plan_splits(3, 1100, 16, 8, 64, True, 1, 128) == 69  # (the CPU's 8 "SMs")
+    assert plan_balanced_splits(1171, 1100, 16, 8 * 64, 1, 128) == (69, 16)
+    run_mla(kv_dtype, [1, 70, 1100], 16, heads=16, config=config, balanced=balanced)
+    gqa = DecodeConfig(16, 16, 4, 2, min_split_tiles=1, max_splits=128, merge_at_once=True)
+    run_gqa(kv_dtype, [37, 1, 170], 8, 4, 2, 64, balanced=balanced, config=gqa)
 
 
 def test_mla_defaults_follow_the_dtype_and_head_count():
@@ -311,15 +358,20 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
     assert fp8 == MLA_FP8_E4M3_128  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
-    # too few tiles for one program an SM: the Triton kernel
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=1024) == MLA_FP8_TRITON
-    assert pick_config(512, 16, mla=True, fp8=True, tokens=WGMMA_MIN_TOKENS) == MLA_FP8_WGMMA
+    # the widening Gluon kernel from the shortest batch (one-tile splits fill the SMs)
+    assert pick_config(512, 16, mla=True, fp8=True, tokens=64) == MLA_FP8_WGMMA
     tokens_in_place = E4M3_IN_PLACE_MIN_TOKENS
     assert pick_config(512, 16, mla=True, fp8=True, tokens=tokens_in_place - 1) == MLA_FP8_WGMMA
     assert pick_config(512, 16, mla=True, fp8=True, tokens=tokens_in_place) == MLA_FP8_E4M3_IN_PLACE
     in_place = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1)
     assert in_place == MLA_FP8_E4M3_IN_PLACE
     assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3_128
+    # the 16-heads kernels split as short as one tile, up to 256 a request, merged at once
+    for config in (bf16, MLA_FP8_WGMMA, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_128):
+        assert (config.min_split_tiles, config.max_splits, config.merge_at_once) == (1, 256, True)
+    assert plan_splits(1, 1024, 32, 132, bf16.programs_per_sm, True, 1, 256) == 32
+    assert plan_splits(1, 32768, 64, 132, 1, True, 1, 256) == 132
+    assert MLA_HEADS_M.max_splits == MAX_SPLITS and not MLA_HEADS_M.merge_at_once
     # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
     # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
     for heads, fp8, tokens in ((64, False, 1024), (128, True, 64 * 4096), (64, True, None)):
