@@ -94,10 +94,11 @@ class DecodeConfig:
 # (docs/kernels-fp8-kv.md), so the four-tile, 64-split plans left most SMs idle at short
 # contexts and long chains at long ones. Side by side with the earlier plans and FlashMLA
 # (bench/results/fp8_kv_flashmla_short_splits.json, 16 heads): one request of 1k/4k/32k, FP8
-# 8.0/10.5/18.8 us against 13.2/16.4/31.4 (FlashMLA 9.6/13.3/23.6), BF16 8.8/10.2/24.3 against
-# 13.3/19.2/53.3; 8 heads, one request of 8k: FP8 10.7 against 19.0, BF16 11.4 against 22.7;
-# from 8 requests 1.00-1.09x the earlier plans' speed. 64+ heads keep the earlier plan: the
-# at-once merge ran 0.91-0.93x the serial one at 128 heads (16-request mix).
+# 7.7/10.7/18.8 us against 13.8/16.4/31.6 (FlashMLA 9.4/12.9/23.3), BF16 9.1/10.1/24.3 against
+# 13.4/19.2/53.9; 8 heads, one request of 8k: FP8 10.6 against 19.3, BF16 11.4 against 22.8;
+# from 8 requests FP8 0.99-1.07x the earlier plans' speed, BF16 0.98-1.11x. 64+ heads keep the
+# earlier plan: the at-once merge ran 0.91-0.93x the serial one at 128 heads (16-request mix,
+# fp8_kv_flashmla_short_splits_first.json).
 SHORT_SPLITS = {"min_split_tiles": 1, "max_splits": 256, "merge_at_once": True}
 # MLA over FP8 pages, 16 heads a program, in Triton: what runs where the Gluon kernel cannot
 # (Triton's interpreter, GPUs other than Hopper). The latent in quarters, 32 tokens a tile, 186
@@ -216,7 +217,7 @@ def pick_config(
     e4m3 on 128-token tiles (``MLA_FP8_E4M3_128``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same
     on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), below that
     the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``: with the short splits
-    1.6x the Triton kernel at one request of 1k, where it was 0.97x); ``MLA_FP8_TRITON`` off
+    1.65x the Triton kernel at one request of 1k, where it was 0.97x); ``MLA_FP8_TRITON`` off
     Hopper. The 16-heads kernels split as short as one tile (``SHORT_SPLITS``).
     (Where the caller gives a batch total that shows uneven lengths, ``paged_decode`` takes a
     kernel on the stream schedule instead: ``with_stream``, at every head count.)
