@@ -50,7 +50,6 @@ from tessera.kernels.paged_decode_fp8 import (
     paged_decode_mla_fp8_ref,
 )
 from tessera.kernels.paged_decode_split import (
-    MAX_SPLITS,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
@@ -60,6 +59,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_M,
     MLA_HEADS_M_STREAM,
     MLA_HEADS_TRITON,
+    SHORT_SPLITS,
     DecodeConfig,
     pick_config,
 )
@@ -413,7 +413,7 @@ GQA_VARIANTS = {"default": None}
 # (fp8_kv_flashmla_variants.json) also timed 8 warps for "t", e4m3 PV products (pv1, pv2: 2x
 # slower, the e4m3 V transposed byte by byte) and an fp16 V in the transposed kernel (2.4x
 # slower): all lost, and are not timed again.
-LONG_SPLITS = {"min_split_tiles": 4, "max_splits": MAX_SPLITS, "merge_at_once": False}
+LONG_SPLITS = {field: getattr(DecodeConfig, field) for field in SHORT_SPLITS}  # the defaults
 MLA_PEER_VARIANTS = {
     "t": ("bf16", DecodeConfig(64, 16, 4, 2, True, 3, whole_waves=True, tokens_as_m=True)),
     "t_qk2": (

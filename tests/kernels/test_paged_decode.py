@@ -369,8 +369,9 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     # the 16-heads kernels split as short as one tile, up to 256 a request, merged at once
     for config in (bf16, MLA_FP8_WGMMA, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_128):
         assert (config.min_split_tiles, config.max_splits, config.merge_at_once) == (1, 256, True)
-    assert plan_splits(1, 1024, 32, 132, bf16.programs_per_sm, True, 1, 256) == 32
-    assert plan_splits(1, 32768, 64, 132, 1, True, 1, 256) == 132
+    # one request of 1k at BF16: 32 one-tile splits, where four-tile ones gave 8
+    assert plan_splits(1, 1024, bf16.block_n, 132, bf16.programs_per_sm, bf16.whole_waves,
+                       bf16.min_split_tiles, bf16.max_splits) == 32  # fmt: skip
     assert MLA_HEADS_M.max_splits == MAX_SPLITS and not MLA_HEADS_M.merge_at_once
     # 64+ heads: the Gluon heads-as-M kernel, both dtypes, every batch (MLA_HEADS_TRITON where
     # it cannot run: the interpreter runs it in test_mla_matches_reference's 64 heads)
