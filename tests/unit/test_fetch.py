@@ -357,6 +357,15 @@ def test_hub_refusals_and_an_unreachable_hub_are_named(tmp_path: Path) -> None:
     assert "hf_secretvalue" not in result.stderr
 
 
+def size_or_0(path: Path) -> int:
+    """A file's size, or 0 where it went between listing and looking (a finished download's
+    .incomplete file is renamed into place)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_hub_fetch_killed_midway_resumes_and_verifies(tmp_path: Path) -> None:
     big = b"".join(os.urandom(MiB) for _ in range(96))
     files = {"model.safetensors": big, "config.json": b"{}"}
@@ -371,7 +380,7 @@ def test_hub_fetch_killed_midway_resumes_and_verifies(tmp_path: Path) -> None:
         partial: list[Path] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not partial:
-            partial = [p for p in dest.rglob("*.incomplete") if p.stat().st_size > 4 * MiB]
+            partial = [p for p in dest.rglob("*.incomplete") if size_or_0(p) > 4 * MiB]
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
