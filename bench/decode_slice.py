@@ -7,9 +7,11 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
   projections (fused q_a + kv_a, q_b, o_proj; GLM's DSA indexer
   projections) as dense linears; the absorbed-MLA query and output bmm's (BF16); the new token's
   latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our paged MLA
-  decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router GEMM and top-k; the shared
-  expert; the routed experts of the one GPU that finishes the layer last (routing drawn at
-  random, ``critical_share``): INT4 through our ``fused_moe`` (or SGLang's Marlin MoE with
+  decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router as SGLang runs it on
+  Hopper (fp32 logits from its tiny GEMM, JIT-built by ``sglang_jit_build.py``, up to 16 rows,
+  cuBLAS above; its Triton top-k kernel, taken from its source file); the shared expert; the
+  routed experts of the one GPU that finishes the layer last (routing drawn at random,
+  ``critical_share``): INT4 through our ``fused_moe`` (or SGLang's Marlin MoE with
   ``--int4-experts marlin``), FP8 through SGLang's own Triton fused-MoE kernel with block-scaled
   w8a8, taken from its source file.
 - dense linears: FP8 through ``torch._scaled_mm`` (per-token activation scales from SGLang's
@@ -30,7 +32,7 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
     python bench/decode_slice.py [--models kimi-k2,glm-5] [--concurrency 1,8,16,32,64,128]
         [--slice-layers 8] [--replays 30] [--sglang-src DIR] [--out DIR] [--tag _x]
         [--attention ours|flashmla] [--int4-linears ours|marlin] [--int4-experts ours|marlin]
-        [--marlin-dir DIR] [--fp8-linears auto|scaled-mm|deepgemm]
+        [--sglang-jit-dir DIR] [--fp8-linears auto|scaled-mm|deepgemm]
     python bench/decode_slice.py --plot bench/results/decode_slice.json --img-dir docs/img
 """
 
@@ -127,6 +129,7 @@ SGLANG_FP8_CONFIGS = (
 class SglangKernels:
     fused_moe: Any  # fused_moe_kernel
     group_quant: Any  # _per_token_group_quant_8bit
+    router: Any  # _router_triton_kernel (moe_fused_gate)
     config: dict[str, int] = field(default_factory=lambda: dict(SGLANG_FP8_CONFIGS[0]))
 
 
@@ -135,7 +138,65 @@ def load_sglang_kernels(src_dir: Path | None = None) -> SglangKernels:
                                 {"write_zeros_to_output", "fused_moe_kernel"})  # fmt: skip
     quant = load_triton_functions(find_sglang_source("fp8_kernel.py", src_dir),
                                   {"_per_token_group_quant_8bit"})  # fmt: skip
-    return SglangKernels(moe["fused_moe_kernel"], quant["_per_token_group_quant_8bit"])
+    gate = load_triton_functions(find_sglang_source("moe_fused_gate.py", src_dir),
+                                 {"_router_triton_kernel"})  # fmt: skip
+    return SglangKernels(moe["fused_moe_kernel"], quant["_per_token_group_quant_8bit"],
+                         gate["_router_triton_kernel"])  # fmt: skip
+
+
+def select_experts(k: SglangKernels, logits: torch.Tensor, bias: torch.Tensor,
+                   top_k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """SGLang's router for Kimi K2's and GLM 5's routing (sigmoid scores, a correction bias
+    that ranks but does not weigh, no expert groups, the top-k weights renormalized): its Triton
+    kernel with the arguments ``moe_fused_gate`` passes, one launch. -> (fp32 weights, int32
+    ids), each ``[rows, top_k]``."""
+    rows, n = logits.shape
+    weights = torch.empty((rows, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((rows, top_k), dtype=torch.int32, device=logits.device)
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(4, 256 // block_n))
+    pdl = _sm90(logits.device)
+    k.router[(triton.cdiv(rows, block_m),)](
+        logits, bias, None, None, None, weights, ids, ids, rows, 1.0, 0.0,
+        N=n, K=top_k, K_ROUTED=top_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=triton.next_power_of_2(top_k), N_GROUP=1, TOPK_GROUP=1, EXPERTS_PER_GROUP=n,
+        BLOCK_G=1, SCORING_FUNC=0, SQRTSOFTPLUS_LOG1P=False, HAS_SOFTCAP=False,
+        RENORMALIZE=True, APPLY_SCALE=False, HAS_BIAS=True, HAS_TOKEN_BIAS=False,
+        BIAS_ALT_TOKEN_ID=None, HAS_PADDING=False, HAS_PACKED=False, RENORMALIZE_EPSILON=0.0,
+        USE_PDL=pdl, stride_bias=bias.stride(0), stride_bias_alt=0, stride_input_ids=0,
+        stride_sm=logits.stride(0), stride_sn=logits.stride(1), stride_wm=weights.stride(0),
+        stride_wk=weights.stride(1), stride_im=ids.stride(0), stride_ik=ids.stride(1),
+        stride_pm=0, stride_pk=0, num_warps=1 if block_n <= 512 else 4,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return weights, ids
+
+
+def select_experts_ref(logits: torch.Tensor, bias: torch.Tensor,
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    scores = torch.sigmoid(logits.float())
+    ids = torch.topk(scores + bias, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+# SGLang's router GEMM: its tiny GEMM up to this many rows (tiny_router_gemm_max_tokens on
+# Hopper), cuBLAS with fp32 output above
+TINY_GEMM_MAX_ROWS = 16
+
+
+def load_tiny_gemms(folder: Path | None) -> dict[tuple[int, int], Any]:
+    """SGLang's ``tiny_gemm_bf16`` for the router shapes ``[N, K]`` that
+    ``bench/sglang_jit_build.py --router N:K`` built into ``folder``."""
+    if folder is None:
+        return {}
+    import tvm_ffi
+
+    gemms = {}
+    for path in sorted(folder.glob("tiny_gemm_*x*.so")):
+        n, k = map(int, path.stem.removeprefix("tiny_gemm_").split("x"))
+        gemms[(n, k)] = tvm_ffi.load_module(str(path)).run
+    return gemms
 
 
 def group_quant_fp8(k: SglangKernels, x: torch.Tensor, group: int):
@@ -257,6 +318,7 @@ class MLP:
 class MoE:
     norm: torch.Tensor
     router: Linear
+    router_bias: torch.Tensor  # fp32 [experts]: the correction bias, for ranking only
     shared: MLP  # the shared expert (norm unused: the MoE's own)
     experts: Experts
 
@@ -399,6 +461,7 @@ def build_weights(s: SliceShape, kind: str, group: int, moe_layers: int, gen: Ge
         layer = MoE(
             norm=gen.norm_weight(s.hidden),
             router=gen.linear(s.experts, s.hidden, "bf16", group),
+            router_bias=gen.randn(s.experts, scale=0.01).float(),
             shared=build_mlp(s.hidden, s.shared_width, kind, group, gen),
             experts=gen.experts(s.local_experts, s.hidden, s.expert_width, kind, group),
         )
@@ -558,8 +621,10 @@ class KernelOps:
     """The kernels a serving GPU runs."""
 
     def __init__(self, sglang: SglangKernels | None, flashmla: Any = None,
-                 marlin: Marlin | None = None, deepgemm: Any = None) -> None:  # fmt: skip
+                 marlin: Marlin | None = None, deepgemm: Any = None,
+                 tiny_gemms: dict[tuple[int, int], Any] | None = None) -> None:  # fmt: skip
         self.sglang = sglang
+        self.tiny_gemms = tiny_gemms or {}  # SGLang's router GEMM by [N, K], where built
         self.flashmla = flashmla  # the flash_mla module: attention by FlashMLA instead of ours
         self.marlin = marlin  # INT4 weights with a Marlin copy run SGLang's Marlin kernels
         self.deepgemm = deepgemm  # FP8 linears by DeepGEMM with block scales (deepgemm.py)
@@ -579,6 +644,23 @@ class KernelOps:
         xq, xs = group_quant_fp8(self.sglang, x, x.shape[1])
         return torch._scaled_mm(xq, lin.weight.T, scale_a=xs, scale_b=lin.scale,
                                 out_dtype=torch.bfloat16)  # fmt: skip
+
+    def router_logits(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        """fp32 logits, as SGLang's MoE gate computes them on Hopper: its tiny GEMM up to 16
+        rows, else cuBLAS bf16 x bf16 -> fp32 (torch's where the tiny GEMM was not built)."""
+        tiny = self.tiny_gemms.get(tuple(lin.weight.shape))
+        if tiny is not None and x.shape[0] <= TINY_GEMM_MAX_ROWS:
+            out = torch.empty(x.shape[0], lin.weight.shape[0], dtype=torch.float32,
+                              device=x.device)  # fmt: skip
+            tiny(x, lin.weight, out)
+            return out
+        if x.is_cuda:
+            return torch.mm(x, lin.weight.T, out_dtype=torch.float32)
+        return x.float() @ lin.weight.float().T
+
+    def select_experts(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int):
+        assert self.sglang is not None, "the router is SGLang's kernel"
+        return select_experts(self.sglang, logits, bias, top_k)
 
     def constant(self, value: int, device: torch.device) -> torch.Tensor:
         """An int32 ``[1]`` tensor of ``value``, made once (outside any graph capture: the
@@ -679,6 +761,12 @@ class ReferenceOps(KernelOps):
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_ref(h)
 
+    def router_logits(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        return x.float() @ lin.weight.float().T
+
+    def select_experts(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int):
+        return select_experts_ref(logits, bias, top_k)
+
     def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.kind == "bf16":
             return (x.float() @ lin.weight.float().T).to(torch.bfloat16)
@@ -775,8 +863,9 @@ class SliceStep:
         r = self.routing[i]
         x, o = self.attention(attn, self.moe_caches[i], x, delta)
         x, h = self.ops.norm(x, o, moe.norm)
-        logits = self.ops.linear(h, moe.router)
-        torch.topk(logits, self.s.top_k, dim=-1)  # its selection; the drawn routing replaces it
+        logits = self.ops.router_logits(h, moe.router)
+        # its selection; the drawn routing replaces it
+        self.ops.select_experts(logits, moe.router_bias, self.s.top_k)
         shared = self.mlp(moe.shared, h)
         routed = self.ops.moe(h.index_select(0, r.tokens), moe.experts, r)
         return x, shared.index_add_(0, r.tokens, routed)
@@ -861,16 +950,17 @@ def pick_sglang_config(k: SglangKernels, x: torch.Tensor, e: Experts,
 def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
     """Per-layer time of three parts of the MoE layer, each alone in a graph over the slice's
     layers (fresh random inputs of the real shapes): the routed experts, every dense linear,
-    and the attention kernel with its KV store. The layer time minus these is the rest
-    (norms, the absorbed-MLA bmm's, copies, router top-k, gather/scatter, SiLU)."""
+    (the router GEMM among them), and the attention kernel with its KV store. The layer time
+    minus these is the rest (norms, the absorbed-MLA bmm's, copies, the router's top-k,
+    gather/scatter, SiLU)."""
     s, ops, batch, n = step.s, step.ops, step.batch, len(step.batch.lengths)
     gen = Gen(step.batch.new_slots.device, seed=99)
     layers = list(zip(step.w.moe, step.moe_caches, step.routing, strict=True))
     linear_inputs = []
     for attn, moe in step.w.moe:
-        lins = [attn.qkv_a, attn.q_b, attn.o, *attn.indexer, moe.router, moe.shared.up,
-                moe.shared.down]  # fmt: skip
-        linear_inputs += [(gen.randn(n, _in_features(lin)), lin) for lin in lins]
+        lins = [attn.qkv_a, attn.q_b, attn.o, *attn.indexer, moe.shared.up, moe.shared.down]
+        linear_inputs += [(ops.linear, gen.randn(n, _in_features(lin)), lin) for lin in lins]
+        linear_inputs.append((ops.router_logits, gen.randn(n, s.hidden), moe.router))
     expert_inputs = [(gen.randn(r.tokens.numel(), s.hidden), moe.experts, r)
                      for (_, moe), _, r in layers]  # fmt: skip
     q = gen.randn(n, s.heads, s.latent_dim)
@@ -883,7 +973,7 @@ def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
 
     parts = {
         "routed_experts": lambda: [ops.moe(x, e, r) for x, e, r in expert_inputs],
-        "dense_linears": lambda: [ops.linear(x, lin) for x, lin in linear_inputs],
+        "dense_linears": lambda: [linear(x, lin) for linear, x, lin in linear_inputs],
         "attention_kernel": attention,
     }
     out = {}
@@ -937,7 +1027,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
         for c in levels:
             t1 = time.time()
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
-            ops = KernelOps(sglang, args.flashmla, args.marlin, args.deepgemm)
+            ops = KernelOps(sglang, args.flashmla, args.marlin, args.deepgemm, args.tiny_gemms)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
                              routing[c], ops)  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
@@ -1015,13 +1105,23 @@ def layer_kernels(step: SliceStep, x: torch.Tensor, delta: torch.Tensor) -> dict
 
 def check_layer(step: SliceStep, x: torch.Tensor, delta: torch.Tensor, c: int) -> dict[str, Any]:
     """One MoE layer by the kernels and by the reference, same inputs (on the GPU): the
-    layer's output (what it adds to the residual stream)."""
+    layer's output (what it adds to the residual stream), and the router's logits and
+    selection (which the drawn routing replaces in the layer; the selection is compared on
+    the reference's logits, so that near ties are the same on both sides)."""
     out = step.moe_layer(0, x, delta)[1]
     kernels_ops = step.ops
-    step.ops = ReferenceOps(kernels_ops.sglang, deepgemm=kernels_ops.deepgemm)
+    ref_ops = ReferenceOps(kernels_ops.sglang, deepgemm=kernels_ops.deepgemm)
+    step.ops = ref_ops
     ref = step.moe_layer(0, x, delta)[1]
     step.ops = kernels_ops
-    return {"concurrency": c, "moe_layer_rel_l2": rel_l2(out, ref)}
+    moe = step.w.moe[0][1]
+    logits = ref_ops.router_logits(x, moe.router)
+    weights, ids = kernels_ops.select_experts(logits, moe.router_bias, step.s.top_k)
+    ref_weights, ref_ids = ref_ops.select_experts(logits, moe.router_bias, step.s.top_k)
+    return {"concurrency": c, "moe_layer_rel_l2": rel_l2(out, ref),
+            "router_logits_rel_l2": rel_l2(kernels_ops.router_logits(x, moe.router), logits),
+            "router_ids_equal": bool(torch.equal(ids, ref_ids)),
+            "router_weights_max_abs_diff": float((weights - ref_weights).abs().max())}  # fmt: skip
 
 
 def time_points(g_off, g_on, g_layers, replays: int) -> dict[str, list[float]]:
@@ -1160,6 +1260,9 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
                        "scales)"
         if args.deepgemm else "torch._scaled_mm (row scales; activations by "
                                                "SGLang's Triton per-token quantizer)",
+        "router": "SGLang's Triton router (moe_fused_gate); logits by its tiny GEMM (JIT-built) up "
+                  f"to {TINY_GEMM_MAX_ROWS} rows for {sorted(args.tiny_gemms)} ([N, K]), else "
+                  "cuBLAS bf16 -> fp32",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1274,8 +1377,9 @@ def main() -> None:
                     help="FP8 dense linears: torch._scaled_mm with row scales, or DeepGEMM with "
                          "block scales as SGLang runs them on Hopper (deepgemm.py); auto: "
                          "DeepGEMM where it imports, as SGLang chooses")  # fmt: skip
-    ap.add_argument("--marlin-dir", type=Path,
-                    help="folder of Marlin's modules (bench/marlin_jit_build.py), for Marlin")
+    ap.add_argument("--sglang-jit-dir", type=Path,
+                    help="folder of SGLang's JIT kernels built by bench/sglang_jit_build.py: "
+                         "Marlin's (for --int4-* marlin) and the router GEMM's")  # fmt: skip
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
@@ -1305,9 +1409,10 @@ def main() -> None:
     args.deepgemm = DeepGemm(args.sglang_src) if args.fp8_linears == "deepgemm" else None
     args.marlin = None
     if "marlin" in (args.int4_linears, args.int4_experts):
-        if args.marlin_dir is None:
-            raise SystemExit("Marlin needs --marlin-dir (bench/marlin_jit_build.py's --out)")
-        args.marlin = Marlin(args.marlin_dir)
+        if args.sglang_jit_dir is None:
+            raise SystemExit("Marlin needs --sglang-jit-dir (bench/sglang_jit_build.py's --out)")
+        args.marlin = Marlin(args.sglang_jit_dir)
+    args.tiny_gemms = load_tiny_gemms(args.sglang_jit_dir)
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_slice{args.tag}.json"

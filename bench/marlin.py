@@ -1,6 +1,6 @@
 """SGLang 0.5.23's Marlin kernels as a benchmark peer: dense ``gptq_marlin_gemm``, MoE
 ``moe_wna16_marlin_gemm`` and the weight repack ``gptq_marlin_repack``, built ahead of time by
-bench/marlin_jit_build.py and called with the arguments SGLang's wrappers pass (those wrappers
+bench/sglang_jit_build.py and called with the arguments SGLang's wrappers pass (those wrappers
 need SGLang's runtime, which the GPU machine's torch cannot load).
 
 Weights come from this project's INT4 format: its ``qweight`` ``[K / 8, N]`` is GPTQ's packed
@@ -66,7 +66,7 @@ class Marlin:
         if not w.symmetric:
             raise ValueError("the Marlin peer takes symmetric weights (uint4b8)")
         if self.repack is None:
-            raise RuntimeError("marlin_repack.so was not built (bench/marlin_jit_build.py)")
+            raise RuntimeError("marlin_repack.so was not built (bench/sglang_jit_build.py)")
         q = w.qweight.reshape(-1, *w.qweight.shape[-2:])
         k, n = w.k, w.n
         codes = torch.empty(q.shape[0], k // 16, 2 * n, dtype=torch.int32, device=q.device)

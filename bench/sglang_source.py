@@ -14,6 +14,7 @@ from typing import Any
 SGLANG_FILES = {  # file -> where the SGLang 0.5.23 wheel installs it
     "fused_moe_triton_kernels.py": "sglang/kernels/ops/moe",
     "fp8_kernel.py": "sglang/kernels/ops/quantization",
+    "moe_fused_gate.py": "sglang/kernels/ops/moe",
 }
 
 
@@ -37,7 +38,9 @@ def load_triton_functions(path: Path, names: set[str]) -> dict[str, Any]:
     if {n.name for n in nodes} != names:
         raise SystemExit(f"{path} lacks {names - {n.name for n in nodes}}")
     body = "\n\n\n".join("@triton.jit\n" + (ast.get_source_segment(source, n) or "") for n in nodes)
-    text = "import triton\nimport triton.language as tl\n\n\n" + body + "\n"
+    imports = ("import triton", "import triton.language as tl",
+               "from triton.language.extra import libdevice")  # fmt: skip
+    text = "\n".join(imports) + "\n\n\n" + body + "\n"
     # one file per content, written whole before it appears: processes loading other functions
     # of the same source file at once (bench/deepgemm.py's compile pool) never read a partial one
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]

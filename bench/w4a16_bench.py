@@ -595,7 +595,7 @@ def main() -> None:
                          "two target shapes")  # fmt: skip
     ap.add_argument("--sglang-kernels", type=Path, help="SGLang's fused_moe_triton_kernels.py")
     ap.add_argument(
-        "--marlin", type=Path, help="folder of Marlin's modules built by bench/marlin_jit_build.py"
+        "--marlin", type=Path, help="folder of Marlin's modules built by bench/sglang_jit_build.py"
     )
     ap.add_argument("--deepgemm", action="store_true",
                     help="also time SGLang's block-FP8 linear through DeepGEMM (deepgemm.py; "

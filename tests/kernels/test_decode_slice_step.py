@@ -133,3 +133,30 @@ def test_slice_routing_rows_are_the_critical_gpus_pairs() -> None:
         assert r.ids.shape == r.weights.shape == (r.tokens.numel(), 1)
         assert int(r.ids.max()) < TINY.local_experts
         assert r.distinct_experts == r.ids.unique().numel() >= r.mean_distinct_experts
+
+
+def test_sglang_router_selects_the_reference_experts_and_weights(sglang) -> None:
+    """SGLang's Triton router (the slice's top-k) against torch: sigmoid scores ranked with the
+    bias, the weights the unbiased scores renormalized. The bias is large enough to reorder the
+    experts, so a kernel that ranked without it (or weighed with it) would fail."""
+    g = torch.Generator().manual_seed(4)
+    for rows, experts, top_k in [(1, 384, 8), (5, 256, 8), (3, 8, 2)]:
+        logits = torch.randn(rows, experts, generator=g)
+        bias = torch.randn(experts, generator=g)
+        weights, ids = ds.select_experts(sglang, logits, bias, top_k)
+        ref_weights, ref_ids = ds.select_experts_ref(logits, bias, top_k)
+        assert torch.equal(ids, ref_ids)
+        assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
+        unbiased = torch.topk(logits, top_k, dim=-1).indices.to(torch.int32)
+        assert not torch.equal(ids.sort(-1).values, unbiased.sort(-1).values)
+
+
+def test_layer_check_reports_the_layer_and_the_router(sglang) -> None:
+    """The benchmark's own one-layer check (what each GPU run records) on the tiny step."""
+    step, _ = _pair("int4", "bf16", sglang)
+    x = ds.Gen(torch.device("cpu"), seed=9).randn(len(LENGTHS), TINY.hidden)
+    delta = ds.Gen(torch.device("cpu"), seed=10).randn(len(LENGTHS), TINY.hidden)
+    check = ds.check_layer(step, x, delta, len(LENGTHS))
+    assert check["moe_layer_rel_l2"] < LAYER_TOL["int4"]
+    assert check["router_ids_equal"] is True
+    assert check["router_logits_rel_l2"] < 1e-6 and check["router_weights_max_abs_diff"] < 1e-6
