@@ -947,12 +947,14 @@ def pick_sglang_config(k: SglangKernels, x: torch.Tensor, e: Experts,
     return {"config": k.config, "candidates_us": [round(times[i], 1) for i in sorted(times)]}
 
 
-def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
+def component_ms(step: SliceStep, replays: int) -> tuple[dict[str, float], dict[str, float]]:
     """Per-layer time of three parts of the MoE layer, each alone in a graph over the slice's
-    layers (fresh random inputs of the real shapes): the routed experts, every dense linear,
-    (the router GEMM among them), and the attention kernel with its KV store. The layer time
-    minus these is the rest (norms, the absorbed-MLA bmm's, copies, the router's top-k,
-    gather/scatter, SiLU)."""
+    layers (fresh random inputs of the real shapes), the graphs' replays interleaved: the routed
+    experts, every dense linear (the router GEMM among them), and the attention kernel with its
+    KV store. The layer time minus these is the rest (norms, the absorbed-MLA bmm's, copies,
+    the router's top-k, gather/scatter, SiLU). Second, what is timed beside them: where the
+    layer's INT4 experts run Marlin's MoE, our fused MoE on the same inputs
+    (``routed_experts_ours``), so that both expert kernels meet in one run."""
     s, ops, batch, n = step.s, step.ops, step.batch, len(step.batch.lengths)
     gen = Gen(step.batch.new_slots.device, seed=99)
     layers = list(zip(step.w.moe, step.moe_caches, step.routing, strict=True))
@@ -976,13 +978,20 @@ def component_ms(step: SliceStep, replays: int) -> dict[str, float]:
         "dense_linears": lambda: [linear(x, lin) for linear, x, lin in linear_inputs],
         "attention_kernel": attention,
     }
-    out = {}
-    for name, fn in parts.items():
-        graph = capture(fn, warmup=1)
+    beside = {}
+    if any(e.kind == "int4" and e.marlin is not None for _, e, _ in expert_inputs):
+        beside["routed_experts_ours"] = lambda: [fused_moe(x, e.w13, e.w2, r.weights, r.ids)
+                                                 for x, e, r in expert_inputs]  # fmt: skip
+    graphs = {name: capture(fn, warmup=1) for name, fn in {**parts, **beside}.items()}
+    for graph in graphs.values():
         replay_seconds(graph)
-        out[name] = median([replay_seconds(graph) for _ in range(replays)]) * 1e3 / len(layers)
-        del graph
-    return out
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(replays):
+        for name, graph in graphs.items():
+            samples[name].append(replay_seconds(graph))
+    del graphs
+    ms = {name: median(v) * 1e3 / len(layers) for name, v in samples.items()}
+    return {name: ms[name] for name in parts}, {name: ms[name] for name in beside}
 
 
 def _in_features(lin: Linear) -> int:
@@ -1054,13 +1063,15 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             bad = int(batch.integrity.step().sum().item())
             if bad:  # nothing here rewrites a page, so a flagged one is a defect of the check
                 raise SystemExit(f"{name} {w}/{kv} at {c}: the integrity check flagged {bad} pages")
-            parts = component_ms(step, max(5, args.replays // 3))
+            parts, beside = component_ms(step, max(5, args.replays // 3))
             row = _row(name, w, kv, c, plan, admitted=True)
             row.update(summarize(samples, c, args.slice_layers, shape.moe_layers))
             parts["rest_of_layer"] = row["moe_layer_ms"] - sum(parts.values())
             expert_bytes = weights[w].moe[0][1].experts.nbytes / shape.local_experts
             distinct = sum(r.distinct_experts for r in routing[c]) / len(routing[c])
             row["components_ms_per_moe_layer"] = parts
+            if beside:  # timed with the components, not part of the layer
+                row["beside_components_ms_per_moe_layer"] = beside
             row["routed_expert_bytes_per_layer"] = distinct * expert_bytes
             row["routed_experts_TBps"] = distinct * expert_bytes / parts["routed_experts"] / 1e9
             row.update({
@@ -1077,6 +1088,10 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
                   f"({row['tok_s']:8.0f} tok/s)  integrity +{row['integrity_step_pct']:.2f}% "
                   f"p95 {row['p95_ms']:.3f}/{row['p95_ms_integrity']:.3f} ms  "
                   f"bad pages {bad}  [{row['seconds']} s]", flush=True)  # fmt: skip
+            if beside:
+                print(f"[{name}] {'':18s} c={c:4d} experts a layer: Marlin's MoE "
+                      f"{parts['routed_experts'] * 1e3:.1f} us, ours beside it "
+                      f"{beside['routed_experts_ours'] * 1e3:.1f} us", flush=True)  # fmt: skip
             del step, batch
         del dense_caches, moe_caches
         torch.cuda.empty_cache()
