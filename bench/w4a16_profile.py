@@ -11,20 +11,25 @@ the tuner runs it (every launch of the call), with each call's CUDA-graph
 time printed. With ``--groups``: Kimi K2's MoE up GEMM (384 experts, 7168 -> 2 x 2048, SiLU
 epilogue) at 4 rows an expert on one tile, with group 32 and with group 128 experts: the same
 launches and codes (group 32 carries 9% more bytes in its scales), so the two profiles differ
-by the group-32 decode.
+by the group-32 decode. With ``--marlin DIR`` (``sglang_jit_build.py``'s modules): Kimi K2's
+routed experts (384, top 8, group 32), the whole forward by ours (``fused_moe`` as tuned) and by
+SGLang's Marlin MoE on the same weights repacked, at 1 token and 2 and 4 rows an expert, the
+sizes where Marlin's is the faster (docs/kernels-int4.md): each forward's CUDA-graph time
+printed, then every launch of both profiled.
 Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
 from tessera.kernels.w4a16_gemm import _TUNED, GemmConfig, _m_bucket, w4a16_matmul
-from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, moe_gemm
+from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, fused_moe, moe_gemm
 from timing import graph_time_us
-from w4a16_bench import SLICE_LINEARS
+from w4a16_bench import SLICE_LINEARS, routings, tokens_for_rows
 
 
 def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
@@ -76,7 +81,39 @@ def profile_group_sizes() -> None:
     profile_once(calls)
 
 
+def profile_moe_against_marlin(folder: Path) -> None:
+    from marlin import Marlin
+
+    marlin = Marlin(folder)
+    experts, hidden, inter, top_k, group = 384, 7168, 2048, 8, 32
+    sets = [(random_int4((experts,), 2 * inter, hidden, group),
+             random_int4((experts,), hidden, inter, group)) for _ in range(2)]  # fmt: skip
+    repacked = [(marlin.from_ours(w13), marlin.from_ours(w2)) for w13, w2 in sets]
+    calls = []
+    for rows in (1, 2, 4):
+        tokens = tokens_for_rows(rows, experts, top_k)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        rs = routings(tokens, experts, top_k, len(sets))
+
+        def ours(i, x=x, rs=rs):
+            return fused_moe(x, *sets[i], *rs[i])
+
+        def theirs(i, x=x, rs=rs):
+            return marlin.fused_moe(x, *repacked[i], *rs[i], group)
+
+        err = (ours(0).float() - theirs(0).float()).norm() / theirs(0).float().norm()
+        t_ours, t_marlin = graph_time_us(ours, len(sets)), graph_time_us(theirs, len(sets))
+        print(f"{tokens:4d} tokens ({rows} rows an expert): ours {t_ours:7.1f} us, Marlin "
+              f"{t_marlin:7.1f} us ({t_marlin / t_ours:.2f}x), outputs {err:.1e} apart",
+              flush=True)  # fmt: skip
+        calls += [lambda f=ours: f(0), lambda f=theirs: f(0)]
+    profile_once(calls)
+
+
 def main() -> None:
+    if "--marlin" in sys.argv:
+        profile_moe_against_marlin(Path(sys.argv[sys.argv.index("--marlin") + 1]))
+        return
     if "--slice" in sys.argv:
         profile_slice_linears()
         return
