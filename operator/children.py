@@ -141,13 +141,26 @@ def group_affinity(spec: Mapping[str, Any], name: str, phase: str) -> Obj:
     """Every pod of one LeaderWorkerSet group on nodes sharing one value of the pool's
     `replicaTopologyKey` (a leaf switch, a rack): a replica's collectives then cross no spine.
     LWS labels a group's pods with their group's key; `matchLabelKeys` turns that into "my own
-    group", so other groups may share the domain (unlike LWS's exclusive-topology)."""
+    group", so other groups may share the domain (unlike LWS's exclusive-topology).
+
+    The scheduler places one pod at a time, so two groups' leaders can land in one block that
+    holds only one group: both groups' workers then wait there forever (seen on the e2e's two
+    blocks of two nodes). Each group's pods therefore prefer blocks holding no other group's
+    pods (`mismatchLabelKeys`: any LWS group but mine); where blocks are larger they may
+    still share one."""
     key = spec.get("nodePool", {}).get("replicaTopologyKey")
     if not key or nodes_per_replica(spec, phase) == 1:
         return {}
-    term = {"labelSelector": {"matchLabels": selector_labels(name, phase)},
-            "matchLabelKeys": [c.LWS_LABEL_GROUP_KEY], "topologyKey": key}
-    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}}
+    own = {"labelSelector": {"matchLabels": selector_labels(name, phase)},
+           "matchLabelKeys": [c.LWS_LABEL_GROUP_KEY], "topologyKey": key}
+    others = {"labelSelector": {"matchExpressions": [{"key": c.LWS_LABEL_GROUP_INDEX,
+                                                      "operator": "Exists"}]},
+              "mismatchLabelKeys": [c.LWS_LABEL_GROUP_KEY], "topologyKey": key}
+    return {"affinity": {
+        "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [own]},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": others}]},
+    }}  # fmt: skip
 
 
 def _priority(spec: Mapping[str, Any]) -> Obj:

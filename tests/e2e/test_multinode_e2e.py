@@ -163,10 +163,14 @@ def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
 
 def test_a_replica_topology_key_puts_each_group_in_one_block(
         operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    """Two groups of two nodes on two blocks of two nodes: without the preference for blocks
+    that hold no other group, both leaders landed in one block about one run in three, and both
+    groups' workers waited forever."""
     md = wide("blk")
     md["spec"]["nodePool"]["replicaTopologyKey"] = BLOCK
     apply(kubectl, namespace, md)
-    poll("the deployment Ready", lambda: ready(kubectl, namespace, "blk"), READY_TIMEOUT_S)
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "blk"), READY_TIMEOUT_S,
+         seen=lambda: kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
     block = {n["metadata"]["name"]: n["metadata"]["labels"][BLOCK] for n in json.loads(
         kubectl("get", "nodes", "-l", f"{POOL_LABEL}={POOL}", "-o", "json").stdout)["items"]}
     by_group = groups(kubectl, namespace)
@@ -174,14 +178,18 @@ def test_a_replica_topology_key_puts_each_group_in_one_block(
     placed = {g: sorted(block[p["spec"]["nodeName"]] for p in group.values())
               for g, group in by_group.items()}
     assert sorted(map(tuple, placed.values())) == [("a", "a"), ("b", "b")], placed
-    # The API server narrowed each pod's term to its own group (LWS's key, set by its webhook).
+    # The API server narrowed each pod's terms to its own group and to the others (LWS's key,
+    # set by its webhook): required with its own, preferably apart from the others.
     for group in by_group.values():
         for pod in group.values():
-            affinity = pod["spec"]["affinity"]["podAffinity"]
-            [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+            affinity = pod["spec"]["affinity"]
+            [own] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            [apart] = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
             key = pod["metadata"]["labels"][c.LWS_LABEL_GROUP_KEY]
             assert {"key": c.LWS_LABEL_GROUP_KEY, "operator": "In", "values": [key]} in \
-                term["labelSelector"]["matchExpressions"]
+                own["labelSelector"]["matchExpressions"]
+            assert {"key": c.LWS_LABEL_GROUP_KEY, "operator": "NotIn", "values": [key]} in \
+                apart["podAffinityTerm"]["labelSelector"]["matchExpressions"]
 
 
 def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(

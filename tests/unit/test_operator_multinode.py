@@ -318,6 +318,15 @@ def test_a_replica_topology_key_keeps_each_group_in_one_block_and_only_groups() 
     assert term["matchLabelKeys"] == ["leaderworkerset.sigs.k8s.io/group-key"]
     assert term["labelSelector"] == {"matchLabels": {c.LABEL_DEPLOYMENT: "kimi-k2",
                                                      c.LABEL_PHASE: "prefill"}}
+    # And preferably apart from every other LWS group, so that two leaders do not take one
+    # block that holds one group and strand both groups' workers.
+    [apart] = pod["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["weight"] == 100
+    assert apart["podAffinityTerm"] == {
+        "labelSelector": {"matchExpressions": [{"key": c.LWS_LABEL_GROUP_INDEX,
+                                                "operator": "Exists"}]},
+        "mismatchLabelKeys": [c.LWS_LABEL_GROUP_KEY], "topologyKey": "network.example.com/leaf"}
     # Decode's replicas fit one node: nothing to keep together.
     decode = got[("Deployment", "kimi-k2-decode")]["spec"]["template"]["spec"]
     assert "affinity" not in decode
