@@ -8,6 +8,8 @@ import os
 import socket
 import uuid
 
+from tessera.operator.stranded import STRANDED_AFTER_S
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("operator", help="run the ModelDeployment operator")
@@ -21,6 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--leader-election", metavar="NAMESPACE/NAME", default="",
                      help="run only while holding this Lease, so replicas never act at once "
                           "(e.g. tessera-system/tessera-operator); default: no election")
+    run.add_argument("--stranded-group-seconds", type=float, default=STRANDED_AFTER_S,
+                     help="restart a LeaderWorkerSet group whose workers the scheduler has "
+                          "refused this long for pod affinity while other nodes had room (its "
+                          f"leader took a block with no room left; default {STRANDED_AFTER_S:g})")
     run.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus metrics on this port (default: none)")
     run.add_argument("--verbose", "-v", action="store_true")
@@ -30,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_operator(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         raise SystemExit("--resync-seconds must be positive, e.g. 60")
+    if args.stranded_group_seconds <= 0:
+        raise SystemExit("--stranded-group-seconds must be positive, e.g. 120")
     if not 0 <= args.metrics_port <= 65535:
         raise SystemExit(f"--metrics-port {args.metrics_port} is not a port; use 1..65535")
     namespace, _, lease = args.leader_election.partition("/")
@@ -43,6 +51,7 @@ def run_operator(args: argparse.Namespace) -> int:
     from tessera.operator.leader import LeaderLease
 
     handlers.RESYNC_SECONDS = args.resync_seconds
+    handlers.STRANDED_GROUP_SECONDS = args.stranded_group_seconds
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # kopf logs every handler call at INFO: one line per watch event

@@ -119,8 +119,9 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # Read by the operator for KVIntegrity; written for condition-change events.
     ("", "events", ("get", "list", "watch", "create")),
     # Watched for why pods do not run (unschedulable, engine exits: refusals.py), and
-    # granted onward to the router's ServiceAccount (worker discovery).
-    ("", "pods", ("get", "list", "watch")),
+    # granted onward to the router's ServiceAccount (worker discovery); a stranded group's
+    # leader is deleted so that LWS recreates the group (stranded.py).
+    ("", "pods", ("get", "list", "watch", "delete")),
     # kopf: CRD discovery and namespace watching.
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
     ("", "namespaces", ("get", "list", "watch")),

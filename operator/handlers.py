@@ -21,6 +21,7 @@ from tessera.operator.kube import CHILD_KINDS, Kube, new_api_client
 from tessera.operator.reconcile import OPTIONAL_KINDS as OPTIONAL_HINTS
 from tessera.operator.reconcile import Reconciler, Store
 from tessera.operator.render import render_configs
+from tessera.operator.stranded import STRANDED_AFTER_S
 
 from tessera import API_GROUP, API_VERSION
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Set by `tessera operator run` before kopf starts.
 RESYNC_SECONDS = 60.0
+STRANDED_GROUP_SECONDS = STRANDED_AFTER_S
 
 
 @kopf.on.startup()
@@ -47,7 +49,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         for obj in await asyncio.to_thread(kube.list_labelled, *listing):
             if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
                 store.put(obj)
-    memo.reconciler = Reconciler(kube, store, render_configs)
+    memo.reconciler = Reconciler(kube, store, render_configs,
+                                 stranded_after_s=STRANDED_GROUP_SECONDS)
     memo.unwatched = dict(OPTIONAL_KINDS)
     metrics.STATUS.store = store  # the per-deployment gauges read it at scrape time
     memo.resync = asyncio.create_task(_resync_forever(memo))
@@ -124,8 +127,8 @@ for (_api_version, _kind), _plural in CHILD_KINDS.items():
                   )(_on_child)
 
 
-# The children's pods: read, never written, for what the scheduler and the engines say
-# (refusals.pod_refusals).
+# The children's pods: read for what the scheduler and the engines say (refusals.pod_refusals);
+# a stranded group's leader is deleted (stranded.py).
 kopf.on.event("", "v1", "pods", id="pods",
               labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_DEPLOYMENT: kopf.PRESENT},
               )(_on_child)

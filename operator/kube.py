@@ -37,6 +37,8 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
 }
+# Other kinds the operator writes to: a stranded group's leader pod is deleted (stranded.py).
+PLURALS = {**CHILD_KINDS, ("v1", "Pod"): "pods"}
 USER_AGENT = "tessera-operator"
 
 
@@ -46,7 +48,7 @@ def _collection(api_version: str, plural: str, namespace: str | None) -> str:
 
 
 def _path(obj: Obj) -> str:
-    plural = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+    plural = PLURALS[(obj["apiVersion"], obj["kind"])]
     meta = obj["metadata"]
     return f"{_collection(obj['apiVersion'], plural, meta['namespace'])}/{meta['name']}"
 

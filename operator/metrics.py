@@ -16,7 +16,7 @@ RECONCILE_SECONDS = Histogram("tessera_operator_reconcile_seconds",
                               "Time to decide and carry out one reconcile")
 WRITES = Counter("tessera_operator_writes_total",
                  "Write requests the operator made, by what it wrote",
-                 ["action"])  # apply | prune | status | event
+                 ["action"])  # apply | prune | status | event | restart
 DEPLOYMENTS = Gauge("tessera_operator_deployments", "ModelDeployments the operator knows")
 
 

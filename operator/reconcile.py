@@ -31,6 +31,7 @@ from tessera.operator.refusals import (
     observe_refusals,
 )
 from tessera.operator.status import Workload, build_status, observe_group_set, observe_workload
+from tessera.operator.stranded import STRANDED_AFTER_S, StrandedGroup, stranded_groups
 from tessera.operator.weights import (
     checkpoint_sizes,
     observe_job,
@@ -110,6 +111,7 @@ class Store:
 
 # The reason of the event that says the API server refused a status write.
 STATUS_REJECTED = "StatusRejected"
+GROUP_RESTARTED = "GroupRestarted"
 
 # Owned objects the operator reads but never applies or prunes.
 _OBSERVED_ONLY = ("Event", "Pod")
@@ -121,6 +123,7 @@ class Decision:
     prune: list[Obj]
     status_patch: Obj | None  # a JSON merge patch for .status; None: unchanged
     events: list[Condition]  # conditions whose status or reason changed
+    restart: list[StrandedGroup] = field(default_factory=list)  # groups to restart (stranded.py)
 
 
 def plan_spec(spec: Mapping[str, Any]) -> tuple[DeploymentPlan | None, PlanError | None]:
@@ -167,10 +170,13 @@ def intend(md: Mapping[str, Any],
 
 def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
            now: str, rejections: Sequence[Rejection] = (),
-           unserved_kinds: frozenset[str] = frozenset()) -> Decision:
+           unserved_kinds: frozenset[str] = frozenset(),
+           stranded_after_s: float = STRANDED_AFTER_S,
+           settling: frozenset[str] = frozenset()) -> Decision:
     """Everything one reconcile must do, from the parent, its intent, what it owns (its
     children, their pods, the runtime's events), the children the API server rejected
-    when last applied and the optional child kinds the cluster does not serve (pure)."""
+    when last applied, the optional child kinds the cluster does not serve and the phases
+    that restarted a stranded group moments ago (pure)."""
     meta, spec = md["metadata"], md["spec"]
     children = {k: o for k, o in owned.items() if o["kind"] not in _OBSERVED_ONLY}
     pods = [o for o in owned.values() if o["kind"] == "Pod"]
@@ -208,7 +214,8 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
                                        for name, w in workloads.items()}, pods, rejections)
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
                                    weights, refusals)
-    return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed)
+    return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed,
+                    stranded_groups(pods, now, stranded_after_s, settling))
 
 
 def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], pods: Sequence[Obj],
@@ -262,9 +269,12 @@ class Reconciler:
                  render_configs: Callable[[Mapping[str, Any], DeploymentPlan],
                                           dict[str, str]],
                  clock: Callable[[], float] = time.monotonic,
-                 schedule: Callable[[float, Callable[[], object]], None] | None = None
-                 ) -> None:
+                 schedule: Callable[[float, Callable[[], object]], None] | None = None,
+                 stranded_after_s: float = STRANDED_AFTER_S) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
+        self._stranded_after_s = stranded_after_s
+        # (deployment uid, phase) -> when it last restarted a stranded group (stranded.py)
+        self._restarted_at: dict[tuple[str, str], float] = {}
         # When a backoff's retry is due, and how to be called back then (a timer thread).
         self._clock, self._schedule = clock, schedule or _call_later
         self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
@@ -353,7 +363,7 @@ class Reconciler:
         intent = self._intent(md)
         unserved = self._unserved(intent)
         decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected,
-                          unserved)
+                          unserved, self._stranded_after_s, self._settling(uid))
         if not (decision.apply or decision.prune) or (
                 held is not None and self._clock() < held.retry_at):
             return replace(decision, apply=[], prune=[])
@@ -375,7 +385,8 @@ class Reconciler:
             self._schedule(delay, lambda: self.reconcile(namespace, name))
         if rejections != rejected:  # status reports what this apply found
             return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
-                                  rejections, self._unserved(intent)),
+                                  rejections, self._unserved(intent), self._stranded_after_s,
+                                  self._settling(uid)),
                            apply=decision.apply, prune=decision.prune)
         return decision
 
@@ -466,6 +477,36 @@ class Reconciler:
         for cond in decision.events:
             self.kube.post_event(md, event_type(cond), cond["reason"],
                                  f"{cond['type']} is {cond['status']}: {cond['message']}")
+            metrics.WRITES.labels("event").inc()
+        self._restart(md, decision.restart)
+
+    def _settling(self, uid: str) -> frozenset[str]:
+        """The deployment's phases that restarted a group less than the patience ago: until
+        the new leader is placed, the group it left may look stranded too (its worker still
+        waits, the freed node not yet given to it)."""
+        now = self._clock()
+        self._restarted_at = {k: t for k, t in self._restarted_at.items()
+                              if now - t < self._stranded_after_s}
+        return frozenset(phase for (owner, phase) in self._restarted_at if owner == uid)
+
+    def _restart(self, md: Obj, groups: Sequence[StrandedGroup]) -> None:
+        """Delete each stranded group's leader (LWS then recreates the whole group) and say
+        so in an event; a deletion the API server refuses is logged and tried again at the
+        next reconcile, which finds the group still stranded."""
+        meta = md["metadata"]
+        key = md["spec"].get("nodePool", {}).get("replicaTopologyKey", "the topology key")
+        for group in groups:
+            try:
+                self.kube.delete(dict(group.leader))
+            except RejectedError as e:
+                log.warning("%s/%s: could not restart %s group %s: %s", meta["namespace"],
+                            meta["name"], group.phase, group.group, e.rejection.message)
+                continue
+            self._restarted_at[(meta["uid"], group.phase)] = self._clock()
+            metrics.WRITES.labels("restart").inc()
+            message = group.message(key)
+            log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)
+            self.kube.post_event(md, "Warning", GROUP_RESTARTED, message)
             metrics.WRITES.labels("event").inc()
 
     def resync(self) -> int:

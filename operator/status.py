@@ -81,17 +81,25 @@ def observe_group_set(lws: Mapping[str, Any] | None,
                       pods: Iterable[Mapping[str, Any]] = ()) -> Workload | None:
     """One observed LeaderWorkerSet and its pods. Its counts are of groups (replicas): LWS
     counts a group ready only when its leader and every worker are, so a lost pod makes its
-    whole replica unready. Its count can lag a pod it recreated (seen: a worker Pending on a
-    cordoned node while readyReplicas stayed 2 of 2), so a group with a pod that is not
-    Ready is not counted whatever LWS says. LWS publishes no observedGeneration: a spec change
-    shows up once its controller marks UpdateInProgress, one reconcile of it after the
-    apply."""
+    whole replica unready. Its count can lag the pods (seen: a worker Pending on a cordoned
+    node, and a restarted group whose new leader ran before its worker existed, while
+    readyReplicas stayed 2 of 2), so a group of which some pods are seen counts only with
+    all its pods seen, Ready and not being deleted, whatever LWS says. LWS publishes no
+    observedGeneration: a spec change shows up once its controller marks UpdateInProgress,
+    one reconcile of it after the apply."""
     if lws is None:
         return None
     spec, st = lws.get("spec", {}), lws.get("status", {})
     desired = int(spec.get("replicas", 1))
-    unready_groups = {pod["metadata"].get("labels", {}).get(c.LWS_LABEL_GROUP_INDEX)
-                      for pod in pods if not _pod_ready(pod)} & {str(i) for i in range(desired)}
+    size = int(spec.get("leaderWorkerTemplate", {}).get("size", 1))
+    seen_pods: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        seen_pods.setdefault(pod["metadata"].get("labels", {}).get(c.LWS_LABEL_GROUP_INDEX, ""),
+                             []).append(pod)
+    unready_groups = {group for group, members in seen_pods.items()
+                      if len(members) < size or not all(
+                          _pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                          for p in members)} & {str(i) for i in range(desired)}
     true = {cond.get("type") for cond in st.get("conditions", [])
             if cond.get("status") == TRUE}
     seen = {cond.get("type") for cond in st.get("conditions", [])}

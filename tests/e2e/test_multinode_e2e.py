@@ -192,6 +192,50 @@ def test_a_replica_topology_key_puts_each_group_in_one_block(
                 apart["podAffinityTerm"]["labelSelector"]["matchExpressions"]
 
 
+def test_a_group_stranded_in_a_full_block_is_restarted_where_it_fits(
+        operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
+    """Block b is taken while the two groups' leaders are placed, so both land in block a,
+    whose two nodes hold one group: both workers wait. Once block b is free (nodes refused for
+    affinity alone), the operator restarts one group (the operator's patience is 10 s here),
+    whose new leader takes block b, and the other group's worker gets the freed node."""
+    held = [{"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": f"hold-{node}", "namespace": namespace},
+             "spec": {"nodeName": node, "tolerations": [{**TAINT, "operator": "Equal"}],
+                      "containers": [{"name": "hold", "image": "hold",
+                                      "resources": {"limits": {c.GPU_RESOURCE: "8"}}}]}}
+            for node in wide_pool[2:]]
+    kubectl("apply", "-f", "-", input={"apiVersion": "v1", "kind": "List", "items": held})
+    md = wide("strand")
+    md["spec"]["nodePool"]["replicaTopologyKey"] = BLOCK
+    apply(kubectl, namespace, md)
+
+    def waiting() -> bool:
+        placed = {p["metadata"]["name"]: p["spec"].get("nodeName")
+                  for p in pods(kubectl, namespace, "prefill")}
+        return (sorted(filter(None, placed.values())) == wide_pool[:2]
+                and len(placed) == 4)
+
+    poll("both leaders in block a, both workers waiting", waiting, READY_TIMEOUT_S,
+         seen=lambda: kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
+    kubectl("delete", "pod", *(p["metadata"]["name"] for p in held), "-n", namespace,
+            "--wait=false")
+    poll("the deployment Ready", lambda: ready(kubectl, namespace, "strand"), READY_TIMEOUT_S,
+         seen=lambda: kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
+    block = {n: "ab"[i // 2] for i, n in enumerate(wide_pool)}
+    placed = {g: sorted(block[p["spec"]["nodeName"]] for p in group.values())
+              for g, group in groups(kubectl, namespace).items()}
+    assert sorted(map(tuple, placed.values())) == [("a", "a"), ("b", "b")], (
+        placed, kubectl("get", "events", "-n", namespace).stdout)
+    events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json",
+                                "--field-selector", "reason=GroupRestarted").stdout)["items"]
+    restarts = [e for e in events if e["involvedObject"]["name"] == "strand"]
+    assert len(restarts) == 1, (restarts, kubectl("get", "events", "-n", namespace).stdout)
+    [restart] = restarts
+    assert restart["type"] == "Warning"
+    assert restart["message"].startswith("prefill group 1: its leader's block (tessera.dev/block")
+    assert "had room" in restart["message"]
+
+
 def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(
         operator: Operator, kubectl: Any, namespace: str, wide_pool: list[str]) -> None:
     apply(kubectl, namespace, wide("loss"))

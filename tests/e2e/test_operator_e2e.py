@@ -101,7 +101,8 @@ def operator(cluster: Any) -> Iterator[Operator]:
     with socket.socket() as probe:  # a free port for the metrics endpoint
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    op = Operator(cluster.env, log, "--metrics-port", str(port))
+    # A stranded LWS group restarts after 10 s instead of 2 minutes (test_multinode_e2e.py).
+    op = Operator(cluster.env, log, "--metrics-port", str(port), "--stranded-group-seconds", "10")
     op.metrics_url = f"http://127.0.0.1:{port}/metrics"
     op.start()
     yield op

@@ -210,6 +210,23 @@ def test_a_group_with_a_pod_not_ready_is_not_counted_whatever_lws_says() -> None
     assert decide(md, owned, intend(md, render_configs), NOW).status_patch is None  # Ready stands
 
 
+def test_a_group_missing_a_pod_or_losing_one_is_not_counted_whatever_lws_says() -> None:
+    """A restarted group's new leader runs before LWS has made its worker, and the old
+    leader is being deleted meanwhile: LWS may still count 2 of 2."""
+    md, owned = converge(kimi())
+    for group, worker in (("0", "0"), ("0", "1"), ("1", "0")):  # group 1's worker not made yet
+        pod = _group_pod(group, worker, True)
+        owned[("Pod", "llm", pod["metadata"]["name"])] = pod
+    got = conditions(decide(md, owned, intend(md, render_configs), NOW))
+    assert got["Ready"][0] == "False" and "prefill 1/2 ready" in got["Ready"][2]
+    worker = _group_pod("1", "1", True)
+    owned[("Pod", "llm", worker["metadata"]["name"])] = worker
+    assert decide(md, owned, intend(md, render_configs), NOW).status_patch is None  # Ready
+    owned[("Pod", "llm", "kimi-k2-prefill-0-0")]["metadata"]["deletionTimestamp"] = NOW
+    got = conditions(decide(md, owned, intend(md, render_configs), NOW))
+    assert got["Ready"][0] == "False" and "prefill 1/2 ready" in got["Ready"][2]
+
+
 def test_a_group_set_before_its_first_availability_is_rolling_not_degraded() -> None:
     md = kimi()
     lws = stored(children(md)[(c.LWS_KIND, "kimi-k2-prefill")])

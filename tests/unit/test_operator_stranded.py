@@ -1,0 +1,78 @@
+"""Which LeaderWorkerSet groups are stranded by their own affinity (operator/stranded.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.operator import constants as c
+from tessera.operator.stranded import stranded_groups
+
+NOW = "2026-12-05T10:00:00Z"
+# The scheduler's messages (kube-scheduler 1.34, from the e2e) for a worker whose leader's block
+# is full while the other block has room, and for one in a pool with no room at all.
+STRANDED = ("0/8 nodes are available: 2 Insufficient nvidia.com/gpu, 2 node(s) didn't match pod "
+            "affinity rules, 4 node(s) didn't match Pod's node affinity/selector.")
+FULL = ("0/8 nodes are available: 4 Insufficient nvidia.com/gpu, 4 node(s) didn't match Pod's "
+        "node affinity/selector.")
+
+
+def pod(phase: str, group: int, worker: int, node: str = "", refused: str = "",
+        since: str = "2026-12-05T09:57:00Z", deleting: bool = False,
+        created: str = "2026-12-05T09:56:00Z") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": f"md-{phase}-{group}" + (f"-{worker}" if worker else ""),
+                            "creationTimestamp": created,
+                            "labels": {c.LABEL_PHASE: phase, c.LWS_LABEL_GROUP_INDEX: str(group),
+                                       c.LWS_LABEL_WORKER_INDEX: str(worker)}}
+    if deleting:
+        meta["deletionTimestamp"] = NOW
+    conditions = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                   "message": refused, "lastTransitionTime": since}] if refused else []
+    return {"metadata": meta, "spec": {"nodeName": node} if node else {},
+            "status": {"conditions": conditions}}
+
+
+def test_a_group_whose_workers_are_refused_for_affinity_long_enough_is_restarted() -> None:
+    pods = [pod("prefill", 0, 0, "wide-0"), pod("prefill", 0, 1, refused=STRANDED)]
+    [group] = stranded_groups(pods, NOW, after_s=120)
+    assert (group.phase, group.group, group.node) == ("prefill", "0", "wide-0")
+    assert group.leader["metadata"]["name"] == "md-prefill-0"
+    assert group.waited_s == 180 and group.said == STRANDED
+    message = group.message("tessera.dev/block")
+    assert "prefill group 0" in message and "tessera.dev/block of node wide-0" in message
+    assert "180 s" in message
+
+
+def test_nothing_restarts_before_its_time_or_in_a_full_pool_or_without_a_placed_leader() -> None:
+    young = [pod("prefill", 0, 0, "wide-0"),
+             pod("prefill", 0, 1, refused=STRANDED, since="2026-12-05T09:59:00Z")]
+    assert stranded_groups(young, NOW, after_s=120) == []
+    full = [pod("prefill", 0, 0, "wide-0"), pod("prefill", 0, 1, refused=FULL)]
+    assert stranded_groups(full, NOW, after_s=120) == []  # no node had room: nothing to gain
+    unplaced = [pod("prefill", 0, 0, refused=STRANDED), pod("prefill", 0, 1, refused=STRANDED)]
+    assert stranded_groups(unplaced, NOW, after_s=120) == []
+    going = [pod("prefill", 0, 0, "wide-0", deleting=True), pod("prefill", 0, 1, refused=STRANDED)]
+    assert stranded_groups(going, NOW, after_s=120) == []  # already restarting
+    # A restarted group's new leader beside the old worker, still leaving: not stranded again.
+    restarted = [pod("prefill", 0, 0, "wide-2", created="2026-12-05T09:59:58Z"),
+                 pod("prefill", 0, 1, refused=STRANDED)]
+    assert stranded_groups(restarted, NOW, after_s=120) == []
+    # ... nor another group of its phase, until the new leader has had its time.
+    other = [pod("prefill", 1, 0, "wide-0"), pod("prefill", 1, 1, refused=STRANDED)]
+    assert stranded_groups(restarted + other, NOW, after_s=120) == []
+    assert [g.group for g in stranded_groups(other, NOW, after_s=120)] == ["1"]
+    # A phase that restarted a group moments ago (the caller remembers) waits as well.
+    assert stranded_groups(other, NOW, after_s=120, settling={"prefill"}) == []
+    plain = [pod("decode", 0, 0, "n-0")]
+    plain[0]["metadata"]["labels"].pop(c.LWS_LABEL_GROUP_INDEX)  # a Deployment's pod
+    assert stranded_groups(plain, NOW, after_s=120) == []
+
+
+def test_one_group_a_phase_restarts_at_a_time_the_highest_index() -> None:
+    """Two groups stranded in one block: the one restarted leaves, the one that stays gets the
+    freed node."""
+    pods = [pod("prefill", 0, 0, "wide-0"), pod("prefill", 0, 1, refused=STRANDED),
+            pod("prefill", 1, 0, "wide-1"), pod("prefill", 1, 1, refused=STRANDED),
+            pod("decode", 2, 0, "wide-4"), pod("decode", 2, 1, refused=STRANDED),
+            pod("decode", 10, 0, "wide-5"), pod("decode", 10, 1, refused=STRANDED)]
+    got = stranded_groups(pods, NOW, after_s=60)
+    assert [(g.phase, g.group) for g in got] == [("decode", "10"), ("prefill", "1")]
