@@ -59,6 +59,7 @@ class Marlin:
         self.none_bf16 = torch.empty(0, dtype=torch.bfloat16, device="cuda")
         self.none_i32 = torch.empty(0, dtype=torch.int32, device="cuda")
         self.none_f32 = torch.empty(0, dtype=torch.float32, device="cuda")
+        self.counts: dict[tuple, torch.Tensor] = {}  # the padded row count a size (align)
 
     def from_ours(self, w: W4A16Weight) -> tuple[torch.Tensor, torch.Tensor]:
         """Our symmetric INT4 weight (dense ``[K / 8, N]`` or experts ``[E, K / 8, N]``) in
@@ -89,16 +90,18 @@ class Marlin:
                    True, atomic, True, False)  # fmt: skip
         return out
 
-    @staticmethod
-    def align(ids: torch.Tensor, experts: int, block: int):
+    def align(self, ids: torch.Tensor, experts: int, block: int):
         """The routing as Marlin reads it: our alignment (sorted pair ids padded per expert to
         whole blocks, padding rows = the pair count, as SGLang's ``moe_align_block_size``),
         each block's expert (-1 past the used blocks: Marlin skips them), and the padded row
-        count, here the whole allocation (its size depends only on the shapes, so no
-        reduction launch computes it)."""
+        count, here the whole allocation. That size depends only on the shapes, so the count is
+        made once a size (at the warm-up before a graph is captured), not filled at every call:
+        SGLang's one alignment launch writes it with the rest."""
         pair_ids, block_expert = align_to_experts(ids, experts, block)
-        count = torch.full((1,), pair_ids.numel(), dtype=torch.int32, device=ids.device)
-        return pair_ids, block_expert, count
+        key = (pair_ids.numel(), ids.device)
+        if key not in self.counts:
+            self.counts[key] = torch.full((1,), key[0], dtype=torch.int32, device=ids.device)
+        return pair_ids, block_expert, self.counts[key]
 
     def moe_gemm(self, x, out, codes, scales, routing, block, top_k, mul_weights, group):
         sorted_ids, block_experts, count, weights = routing

@@ -529,7 +529,7 @@ def marlin_moe_times(xs, rs, weights, experts, hidden, inter, top_k, group) -> d
     tokens = xs[0].shape[0]
     mw13, mw2 = weights
     block = marlin_block(tokens, top_k, experts)
-    mrs = [(*Marlin.align(ids, experts, block), wts.float().reshape(-1)) for wts, ids in rs]
+    mrs = [(*MARLIN.align(ids, experts, block), wts.float().reshape(-1)) for wts, ids in rs]
     h13 = torch.empty(tokens * top_k, 2 * inter, dtype=torch.bfloat16, device="cuda")
     act = torch.randn(tokens * top_k, inter, dtype=torch.bfloat16, device="cuda")
     down = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device="cuda")
