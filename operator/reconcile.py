@@ -31,7 +31,12 @@ from tessera.operator.refusals import (
     observe_refusals,
 )
 from tessera.operator.status import Workload, build_status, observe_group_set, observe_workload
-from tessera.operator.stranded import STRANDED_AFTER_S, StrandedGroup, stranded_groups
+from tessera.operator.stranded import (
+    STRANDED_AFTER_S,
+    StrandedGroup,
+    restart_window,
+    stranded_groups,
+)
 from tessera.operator.weights import (
     checkpoint_sizes,
     observe_job,
@@ -273,8 +278,9 @@ class Reconciler:
                  stranded_after_s: float = STRANDED_AFTER_S) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
         self._stranded_after_s = stranded_after_s
-        # (deployment uid, phase) -> when it last restarted a stranded group (stranded.py)
-        self._restarted_at: dict[tuple[str, str], float] = {}
+        # (deployment uid, phase) -> when it last restarted a stranded group, and how many
+        # restarts in a row that was (stranded.py)
+        self._restarts: dict[tuple[str, str], tuple[float, int]] = {}
         # When a backoff's retry is due, and how to be called back then (a timer thread).
         self._clock, self._schedule = clock, schedule or _call_later
         self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
@@ -480,21 +486,26 @@ class Reconciler:
             metrics.WRITES.labels("event").inc()
         self._restart(md, decision.restart)
 
+    def _window(self, in_a_row: int) -> float:
+        return restart_window(in_a_row, self._stranded_after_s)
+
     def _settling(self, uid: str) -> frozenset[str]:
-        """The deployment's phases that restarted a group less than the patience ago: until
+        """The deployment's phases that restarted a group within its restart window: until
         the new leader is placed, the group it left may look stranded too (its worker still
-        waits, the freed node not yet given to it)."""
+        waits, the freed node not yet given to it), and restarts in a row wait longer. A
+        restart more than twice its window ago no longer counts as in a row."""
         now = self._clock()
-        self._restarted_at = {k: t for k, t in self._restarted_at.items()
-                              if now - t < self._stranded_after_s}
-        return frozenset(phase for (owner, phase) in self._restarted_at if owner == uid)
+        self._restarts = {k: (t, n) for k, (t, n) in self._restarts.items()
+                          if now - t < 2 * self._window(n)}
+        return frozenset(phase for (owner, phase), (t, n) in self._restarts.items()
+                         if owner == uid and now - t < self._window(n))
 
     def _restart(self, md: Obj, groups: Sequence[StrandedGroup]) -> None:
         """Delete each stranded group's leader (LWS then recreates the whole group) and say
         so in an event; a deletion the API server refuses is logged and tried again at the
         next reconcile, which finds the group still stranded."""
         meta = md["metadata"]
-        key = md["spec"].get("nodePool", {}).get("replicaTopologyKey", "the topology key")
+        topology = md["spec"].get("nodePool", {}).get("replicaTopologyKey", "the topology key")
         for group in groups:
             try:
                 self.kube.delete(dict(group.leader))
@@ -502,9 +513,11 @@ class Reconciler:
                 log.warning("%s/%s: could not restart %s group %s: %s", meta["namespace"],
                             meta["name"], group.phase, group.group, e.rejection.message)
                 continue
-            self._restarted_at[(meta["uid"], group.phase)] = self._clock()
+            phase = (meta["uid"], group.phase)
+            in_a_row = self._restarts.get(phase, (0.0, 0))[1] + 1  # _settling dropped old ones
+            self._restarts[phase] = (self._clock(), in_a_row)
             metrics.WRITES.labels("restart").inc()
-            message = group.message(key)
+            message = group.message(topology)
             log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)
             self.kube.post_event(md, "Warning", GROUP_RESTARTED, message)
             metrics.WRITES.labels("event").inc()

@@ -31,6 +31,13 @@ AFFINITY_REFUSAL = "didn't match pod affinity rules"
 STRANDED_AFTER_S = 120.0
 
 
+def restart_window(in_a_row: int, after_s: float = STRANDED_AFTER_S) -> float:
+    """How long a phase waits after its `in_a_row`-th restart in a row before it restarts a
+    group again: the patience, doubling with each restart in a row, at most 16 times it. A
+    group that fits in no block at all is then not restarted every few minutes for good."""
+    return after_s * 2 ** min(in_a_row - 1, 4)
+
+
 @dataclass(frozen=True)
 class StrandedGroup:
     phase: str

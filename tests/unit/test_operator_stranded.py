@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.operator import constants as c
-from tessera.operator.stranded import stranded_groups
+from tessera.operator.stranded import restart_window, stranded_groups
+from test_operator_refusals import RejectingKube
 
 NOW = "2026-12-05T10:00:00Z"
 # The scheduler's messages (kube-scheduler 1.34, from the e2e) for a worker whose leader's block
@@ -76,3 +77,60 @@ def test_one_group_a_phase_restarts_at_a_time_the_highest_index() -> None:
             pod("decode", 10, 0, "wide-5"), pod("decode", 10, 1, refused=STRANDED)]
     got = stranded_groups(pods, NOW, after_s=60)
     assert [(g.phase, g.group) for g in got] == [("decode", "10"), ("prefill", "1")]
+
+
+def test_the_restart_window_doubles_with_restarts_in_a_row_up_to_16_times() -> None:
+    assert [restart_window(n, 120) for n in (1, 2, 3, 5, 9)] == [120, 240, 480, 1920, 1920]
+
+
+class RecordingKube(RejectingKube):
+    """An API server that accepts everything (LeaderWorkerSet included) and records it."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        return True
+
+
+def test_a_reconciler_restarts_a_stranded_group_and_backs_off_while_it_stays_stranded() -> None:
+    """The multi-node example with a topology key, its prefill group 0 stranded (as a store
+    that never sees the pods change would show it): restarted at once, then not again within
+    the window, which doubles with each restart in a row and starts over after a quiet spell."""
+    from pathlib import Path
+
+    import yaml
+    from tessera.operator.reconcile import GROUP_RESTARTED, Reconciler, Store
+    from tessera.operator.render import render_configs
+
+    example = Path(__file__).resolve().parents[2] / "examples/03-kimi-k2-multinode"
+    md = yaml.safe_load((example / "modeldeployment.yaml").read_text())
+    md["metadata"].update(namespace="llm", uid="uid-3", generation=1, resourceVersion="1")
+    md["spec"]["nodePool"]["replicaTopologyKey"] = "tessera.dev/block"
+    kube, store, now = RecordingKube(), Store(), [1000.0]
+    store.put(md)
+    for member in (pod("prefill", 0, 0, "wide-0", created="2020-01-01T00:00:00Z"),
+                   pod("prefill", 0, 1, refused=STRANDED, since="2020-01-01T00:00:01Z",
+                       created="2020-01-01T00:00:00Z")):
+        member["metadata"].update(namespace="llm", labels={
+            **member["metadata"]["labels"], c.LABEL_DEPLOYMENT: "kimi-k2-multinode",
+            c.LABEL_MANAGED_BY: c.MANAGED_BY})
+        store.put({"apiVersion": "v1", "kind": "Pod", **member})
+    reconciler = Reconciler(kube, store, render_configs,  # type: ignore[arg-type]
+                            clock=lambda: now[0], schedule=lambda d, _: None,
+                            stranded_after_s=120)
+
+    def restarts() -> int:
+        reconciler.reconcile("llm", "kimi-k2-multinode")
+        assert set(kube.deleted) <= {("Pod", "md-prefill-0")}
+        assert kube.events.count(("Warning", GROUP_RESTARTED)) == len(kube.deleted)
+        return len(kube.deleted)
+
+    assert restarts() == 1
+    for advance, expected in ((119, 1), (2, 2), (239, 2), (2, 3), (481, 4)):
+        now[0] += advance
+        assert restarts() == expected, (advance, expected)
+    now[0] += 2 * 960 + 1  # quiet for twice the 4th window: the next one is the first again
+    assert restarts() == 5
+    now[0] += 121
+    assert restarts() == 6
