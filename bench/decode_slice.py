@@ -91,6 +91,7 @@ from decode_slice_plan import (
 from deepgemm import DeepGemm, dequantize_blocks, dequantize_groups
 from marlin import Marlin
 from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from sglang_jit_build import TINY_GEMM_MAX_M
 from sglang_source import find_sglang_source, load_triton_functions
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
@@ -178,11 +179,6 @@ def select_experts_ref(logits: torch.Tensor, bias: torch.Tensor,
     ids = torch.topk(scores + bias, top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
-
-
-# SGLang's router GEMM: its tiny GEMM up to this many rows (tiny_router_gemm_max_tokens on
-# Hopper), cuBLAS with fp32 output above
-TINY_GEMM_MAX_ROWS = 16
 
 
 def load_tiny_gemms(folder: Path | None) -> dict[tuple[int, int], Any]:
@@ -649,7 +645,7 @@ class KernelOps:
         """fp32 logits, as SGLang's MoE gate computes them on Hopper: its tiny GEMM up to 16
         rows, else cuBLAS bf16 x bf16 -> fp32 (torch's where the tiny GEMM was not built)."""
         tiny = self.tiny_gemms.get(tuple(lin.weight.shape))
-        if tiny is not None and x.shape[0] <= TINY_GEMM_MAX_ROWS:
+        if tiny is not None and x.shape[0] <= TINY_GEMM_MAX_M:
             out = torch.empty(x.shape[0], lin.weight.shape[0], dtype=torch.float32,
                               device=x.device)  # fmt: skip
             tiny(x, lin.weight, out)
@@ -1276,7 +1272,7 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         if args.deepgemm else "torch._scaled_mm (row scales; activations by "
                                                "SGLang's Triton per-token quantizer)",
         "router": "SGLang's Triton router (moe_fused_gate); logits by its tiny GEMM (JIT-built) up "
-                  f"to {TINY_GEMM_MAX_ROWS} rows for {sorted(args.tiny_gemms)} ([N, K]), else "
+                  f"to {TINY_GEMM_MAX_M} rows for {sorted(args.tiny_gemms)} ([N, K]), else "
                   "cuBLAS bf16 -> fp32",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),

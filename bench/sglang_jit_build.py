@@ -43,6 +43,7 @@ UNITS = {
     "repack": ("gemm/marlin/gptq_marlin_repack.cuh", "gptq_marlin_repack", "gptq_marlin_repack"),
 }
 TINY_GEMM_MAX_M = 16  # SGLang's tiny_router_gemm_max_tokens on Hopper: the module's row limit
+FFI_HEADERS = ("container/tensor.h", "dtype.h", "error.h", "extra/c_env_api.h", "function.h")
 
 
 def tiny_gemm_unit(n: int, k: int, sms: int) -> tuple[str, str, str]:
@@ -57,7 +58,6 @@ def tiny_gemm_unit(n: int, k: int, sms: int) -> tuple[str, str, str]:
     split = next((d for d in splits if n // d <= sms), splits[-1])
     function = f"TinyNGemmKernel<{n}, {k}, {TINY_GEMM_MAX_M}, {split}, fp32_t, true, bf16_t>::run"
     return "gemm/tiny_gemm.cuh", "run", function
-FFI_HEADERS = ("container/tensor.h", "dtype.h", "error.h", "extra/c_env_api.h", "function.h")
 
 
 def unit_source(header: Path, export: str, function: str) -> str:

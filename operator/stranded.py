@@ -76,9 +76,14 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
     """Per phase, the stranded group to restart now: a group whose leader runs on a node and
     one of whose workers has been refused for pod affinity for `after_s` or longer. One a
     phase at a time (the highest group index), and none in a phase that is `settling` (it
-    restarted a group less than `after_s` ago: the caller remembers) or whose leaders include
+    restarted a group within its restart window: the caller remembers) or whose leaders include
     one younger than `after_s` (a group rolled out moments ago), so that two groups stranded
     in one block do not both leave it: the one that stays gets the freed node."""
+    now_t = _time(now)
+
+    def age(stamp: str) -> float:
+        return (now_t - _time(stamp)).total_seconds()
+
     leaders: dict[tuple[str, str], Mapping[str, Any]] = {}
     workers: list[tuple[tuple[str, str], Mapping[str, Any]]] = []
     for pod in pods:
@@ -100,12 +105,11 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
         if refused is None or leader is None or _time(pod["metadata"]["creationTimestamp"]) < \
                 _time(leader["metadata"]["creationTimestamp"]):
             continue
-        waited = (_time(now) - _time(refused[0])).total_seconds()
+        waited = age(refused[0])
         if waited > waiting.get(key, (-1.0, ""))[0]:
             waiting[key] = (waited, refused[1])
     settling = {*settling, *(phase for (phase, _), leader in leaders.items()
-                             if (_time(now) - _time(leader["metadata"]["creationTimestamp"]))
-                             .total_seconds() < after_s)}
+                             if age(leader["metadata"]["creationTimestamp"]) < after_s)}
     due = sorted((key for key, (waited, _) in waiting.items()
                   if waited >= after_s and key[0] not in settling),
                  key=lambda k: (k[0], int(k[1])), reverse=True)
