@@ -62,6 +62,12 @@ def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return not (ra.isdigit() and rb.isdigit()) or int(ra) >= int(rb)
 
 
+def _same_object(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether `a` and `b` are one object (one uid; either without a uid counts as the same)."""
+    ua, ub = a["metadata"].get("uid"), b["metadata"].get("uid")
+    return not (ua and ub) or ua == ub
+
+
 def _trimmed(obj: Obj) -> Obj:
     """`obj` without managedFields: often half an object's size, and nothing here reads them."""
     return {**obj, "metadata": {k: v for k, v in obj["metadata"].items()
@@ -95,8 +101,15 @@ class Store:
                 self._put(obj)
 
     def drop(self, obj: Mapping[str, Any]) -> None:
+        """Forget `obj`, but not a newer object of the same name: LWS recreates a group's pods
+        under their old names, and kopf handles each object (uid) on its own, so the old pod's
+        deletion can come after the new pod's creation (seen in CI: the group then looked
+        short of a pod for good)."""
+        k = key_of(obj)
         with self._lock:
-            self.objects.pop(key_of(obj), None)
+            held = self.objects.get(k)
+            if held is not None and _same_object(held, obj):
+                del self.objects[k]
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         with self._lock:

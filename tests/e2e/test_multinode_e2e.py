@@ -296,7 +296,7 @@ def test_a_lost_worker_restarts_its_whole_group_and_ready_says_so(
     finally:
         kubectl("uncordon", *nodes)
     poll("the deployment Ready again", lambda: ready(kubectl, namespace, "loss"),
-         READY_TIMEOUT_S)
+         READY_TIMEOUT_S, seen=state)
     after = groups(kubectl, namespace)
     assert all(after["0"][i]["metadata"]["uid"] != before["0"][i]["metadata"]["uid"]
                for i in ("0", "1"))

@@ -252,3 +252,20 @@ def test_a_listing_replaces_what_is_stored_of_its_kind_only() -> None:
     kept = store.get("LeaderWorkerSet", "llm", "kept")
     assert kept is not None and kept["metadata"]["resourceVersion"] == "7"
     assert "managedFields" not in kept["metadata"]
+
+
+def test_a_pod_recreated_under_its_name_outlives_the_old_pods_late_deletion() -> None:
+    """LWS recreates a group's pods under their old names; kopf handles each uid on its own,
+    so the old pod's DELETED event may come after the new pod's ADDED one."""
+    def pod(uid: str, version: str) -> dict[str, Any]:
+        return {"kind": "Pod", "metadata": {"namespace": "llm", "name": "k2-prefill-0-1",
+                                            "uid": uid, "resourceVersion": version}}
+
+    store = Store()
+    store.put(pod("old", "10"))
+    store.put(pod("new", "12"))
+    store.drop(pod("old", "11"))
+    held = store.get("Pod", "llm", "k2-prefill-0-1")
+    assert held is not None and held["metadata"]["uid"] == "new"
+    store.drop(pod("new", "13"))
+    assert store.get("Pod", "llm", "k2-prefill-0-1") is None
