@@ -17,8 +17,7 @@ from typing import Any
 import kopf
 from tessera.operator import constants as c
 from tessera.operator import metrics
-from tessera.operator.kube import CHILD_KINDS, Kube, new_api_client
-from tessera.operator.reconcile import OPTIONAL_KINDS as OPTIONAL_HINTS
+from tessera.operator.kube import CHILD_KINDS, PLURALS, Kube, new_api_client
 from tessera.operator.reconcile import Reconciler, Store
 from tessera.operator.render import render_configs
 from tessera.operator.stranded import STRANDED_AFTER_S
@@ -30,6 +29,7 @@ log = logging.getLogger(__name__)
 # Set by `tessera operator run` before kopf starts.
 RESYNC_SECONDS = 60.0
 STRANDED_GROUP_SECONDS = STRANDED_AFTER_S
+MANAGED = f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
 
 
 @kopf.on.startup()
@@ -41,17 +41,15 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # Fill the store before the watches start, so the first reconciles see existing children
     # and mismatch reports: a restarted operator neither re-applies what is there nor flips a
     # condition back and forth.
-    listings = [(api_version, kind, plural, f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")
-                for (api_version, kind), plural in CHILD_KINDS.items()]
+    listings = [(api_version, kind, plural, MANAGED) for (api_version, kind), plural in
+                PLURALS.items()]
     listings.append(("v1", "Event", "events", c.LABEL_DEPLOYMENT))
-    listings.append(("v1", "Pod", "pods", f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"))
     for listing in listings:
-        for obj in await asyncio.to_thread(kube.list_labelled, *listing):
+        for obj in (await asyncio.to_thread(kube.list_labelled, *listing)).items:
             if obj["kind"] != "Event" or obj.get("reason") == c.EVENT_REASON_KV_MISMATCH:
                 store.put(obj)
     memo.reconciler = Reconciler(kube, store, render_configs,
                                  stranded_after_s=STRANDED_GROUP_SECONDS)
-    memo.unwatched = dict(OPTIONAL_KINDS)
     metrics.STATUS.store = store  # the per-deployment gauges read it at scrape time
     memo.resync = asyncio.create_task(_resync_forever(memo))
     log.info("operator started: %d children cached, resync every %gs", len(store.objects),
@@ -63,36 +61,30 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     memo.resync.cancel()
 
 
-# Child kinds served only where their CRD is installed, and kopf may not be watching (below).
-OPTIONAL_KINDS = {k: plural for k, plural in CHILD_KINDS.items() if k[1] in OPTIONAL_HINTS}
-
-
 async def _resync_forever(memo: kopf.Memo) -> None:
-    """Level-triggered safety net: re-decide every deployment; unchanged ones cost nothing."""
+    """Level-triggered safety net: refresh the store from listings, then re-decide every
+    deployment; unchanged ones cost nothing."""
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
         try:
-            await asyncio.to_thread(_list_unwatched, memo)
+            await asyncio.to_thread(refresh_from_listings, memo.reconciler)
             busy = await asyncio.to_thread(memo.reconciler.resync)
             log.info("resync: %d deployment(s) needed requests", busy)
         except Exception:  # a failed resync must not end the loop; the next one retries
             log.exception("resync failed")
 
 
-def _list_unwatched(memo: kopf.Memo) -> None:
-    """Refresh the optional kinds no watch event has come for yet, from a listing.
+def refresh_from_listings(reconciler: Reconciler) -> None:
+    """What the watches may have missed, from a listing of each kind the store holds.
 
-    kopf re-reads API discovery only when a CRD changes. A CRD installed while the operator
-    runs (LWS) is often not in discovery yet at its last change (the API server publishes it
-    a moment later), and kopf then never watches the kind: the operator would create its
-    LeaderWorkerSets and never see them become ready (seen in the e2e tests). Until the first
-    watch event of such a kind shows that kopf watches it, each resync lists it instead."""
-    store = memo.reconciler.store
-    for (api_version, kind), plural in list(memo.unwatched.items()):
-        listed = memo.reconciler.kube.list_labelled(
-            api_version, kind, plural, f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}")
-        if (api_version, kind) in memo.unwatched:  # no watch event meanwhile
-            store.replace(kind, listed)
+    Watches miss things a listing does not: kopf re-reads API discovery only when a CRD
+    changes, and a CRD installed while the operator runs (LWS) is often not in discovery yet
+    at its last change, so kopf never watches the kind (seen in the e2e tests: LWS groups
+    never seen ready); and a watch that restarts from a fresh list reports no deletion of what
+    went meanwhile. What a watch event stored after a listing was taken stays."""
+    for (api_version, kind), plural in PLURALS.items():
+        listing = reconciler.kube.list_labelled(api_version, kind, plural, MANAGED)
+        reconciler.store.replace(kind, listing.items, as_of=listing.version)
 
 
 def _route(memo: kopf.Memo, event: kopf.RawEvent, namespace: str | None, name: str) -> None:
@@ -115,8 +107,6 @@ def on_model_deployment(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | 
 
 def _on_child(event: kopf.RawEvent, memo: kopf.Memo, namespace: str | None,
               labels: Mapping[str, str], **_: Any) -> None:
-    obj = event["object"]
-    memo.unwatched.pop((obj.get("apiVersion"), obj.get("kind")), None)  # kopf watches it
     _route(memo, event, namespace, labels[c.LABEL_DEPLOYMENT])
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import kubernetes
 from tessera.operator import constants as c
@@ -22,6 +22,11 @@ from tessera.operator.refusals import (
 )
 
 Obj = dict[str, Any]
+
+
+class Listing(NamedTuple):
+    items: list[Obj]
+    version: str  # the list's resourceVersion: it shows every change up to this one
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +42,8 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
 }
-# Other kinds the operator writes to: a stranded group's leader pod is deleted (stranded.py).
+# What the store holds of the cluster besides deployments and events: the children and their
+# pods (read for what the scheduler and the engines say; a stranded group's leader is deleted).
 PLURALS = {**CHILD_KINDS, ("v1", "Pod"): "pods"}
 USER_AGENT = "tessera-operator"
 
@@ -129,18 +135,20 @@ class Kube:
         return any(r.get("name") == plural for r in resources)
 
     def list_labelled(self, api_version: str, kind: str, plural: str,
-                      selector: str) -> list[Obj]:
+                      selector: str) -> Listing:
         """Every object of this kind in the cluster (all namespaces) matching `selector`;
         none where the cluster does not serve the kind (an optional CRD such as LWS)."""
         path = _collection(api_version, plural, None)
         try:
-            items = self.request("GET", path, query=[("labelSelector", selector)])["items"]
+            listed = self.request("GET", path, query=[("labelSelector", selector)])
         except kubernetes.client.ApiException as e:
             if e.status == 404:
-                return []
+                return Listing([], "")
             raise
         # List items come without apiVersion/kind; put them back so items look like watch events.
-        return [{"apiVersion": api_version, "kind": kind, **item} for item in items]
+        return Listing([{"apiVersion": api_version, "kind": kind, **item}
+                        for item in listed["items"]],
+                       listed.get("metadata", {}).get("resourceVersion", ""))
 
     def patch_status(self, md: Obj, patch: Obj) -> Obj | None:
         """The patched ModelDeployment; None when it is gone (deleted since it was read).

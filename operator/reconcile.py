@@ -62,6 +62,12 @@ def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return not (ra.isdigit() and rb.isdigit()) or int(ra) >= int(rb)
 
 
+def _after(obj: Mapping[str, Any], version: str) -> bool:
+    """Whether `obj` is a change made after resourceVersion `version` (numeric ones only)."""
+    rv = obj["metadata"].get("resourceVersion", "")
+    return rv.isdigit() and version.isdigit() and int(rv) > int(version)
+
+
 def _same_object(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether `a` and `b` are one object (one uid; either without a uid counts as the same)."""
     ua, ub = a["metadata"].get("uid"), b["metadata"].get("uid")
@@ -91,11 +97,13 @@ class Store:
         if old is None or _newer(obj, old):
             self.objects[k] = obj
 
-    def replace(self, kind: str, listed: list[Obj]) -> None:
-        """A fresh listing of `kind` replaces what is stored of it."""
+    def replace(self, kind: str, listed: list[Obj], as_of: str = "") -> None:
+        """A fresh listing of `kind`, taken at resourceVersion `as_of`, replaces what is
+        stored of it, except what a watch event stored after the listing was taken."""
         trimmed = [_trimmed(obj) for obj in listed]
         with self._lock:
-            for k in [k for k in self.objects if k[0] == kind]:
+            for k in [k for k, obj in self.objects.items()
+                      if k[0] == kind and not _after(obj, as_of)]:
                 del self.objects[k]
             for obj in trimmed:
                 self._put(obj)

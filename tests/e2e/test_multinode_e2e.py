@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kopf
 import kubernetes
 import pytest
 from tessera.operator import constants as c
@@ -162,10 +161,9 @@ def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
     # What stands in for kopf's watch where it never started one (an LWS installed while the
     # operator ran, docs/operator.md): a resync's listing brings the same ready groups.
     client = kubernetes.config.new_client_from_config(config_file=cluster.env["KUBECONFIG"])
-    memo = kopf.Memo(unwatched=dict(handlers.OPTIONAL_KINDS),
-                     reconciler=Reconciler(Kube(client), Store(), render_configs))
-    handlers._list_unwatched(memo)
-    listed = memo.reconciler.store.get(c.LWS_KIND, namespace, "mn-prefill")
+    reconciler = Reconciler(Kube(client), Store(), render_configs)
+    handlers.refresh_from_listings(reconciler)
+    listed = reconciler.store.get(c.LWS_KIND, namespace, "mn-prefill")
     assert listed is not None and listed["status"]["readyReplicas"] == 2
 
 

@@ -254,6 +254,19 @@ def test_a_listing_replaces_what_is_stored_of_its_kind_only() -> None:
     assert "managedFields" not in kept["metadata"]
 
 
+def test_a_listing_keeps_what_a_watch_stored_after_it_was_taken() -> None:
+    def pod(name: str, version: str) -> dict[str, Any]:
+        return {"kind": "Pod", "metadata": {"namespace": "llm", "name": name,
+                                            "resourceVersion": version}}
+
+    store = Store()
+    for p in (pod("deleted-unseen", "5"), pod("listed", "6"), pod("created-since", "12")):
+        store.put(p)
+    store.replace("Pod", [pod("listed", "9")], as_of="10")
+    assert {k[2]: o["metadata"]["resourceVersion"] for k, o in store.objects.items()} == {
+        "listed": "9", "created-since": "12"}
+
+
 def test_a_pod_recreated_under_its_name_outlives_the_old_pods_late_deletion() -> None:
     """LWS recreates a group's pods under their old names; kopf handles each uid on its own,
     so the old pod's DELETED event may come after the new pod's ADDED one."""
