@@ -85,6 +85,7 @@ class Store:
     """Thread-safe latest copies of ModelDeployments, their children and mismatch events."""
 
     objects: dict[Key, Obj] = field(default_factory=dict)
+    _gone: dict[Key, Mapping[str, Any]] = field(default_factory=dict)  # deleted, as last seen
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def put(self, obj: Obj) -> None:
@@ -99,14 +100,19 @@ class Store:
 
     def replace(self, kind: str, listed: list[Obj], as_of: str = "") -> None:
         """A fresh listing of `kind`, taken at resourceVersion `as_of`, replaces what is
-        stored of it, except what a watch event stored after the listing was taken."""
+        stored of it, except what watch events stored or dropped after it was taken."""
         trimmed = [_trimmed(obj) for obj in listed]
         with self._lock:
             for k in [k for k, obj in self.objects.items()
                       if k[0] == kind and not _after(obj, as_of)]:
                 del self.objects[k]
+            gone_since = {k for k, gone in self._gone.items()
+                          if k[0] == kind and _after(gone, as_of)}
             for obj in trimmed:
-                self._put(obj)
+                if key_of(obj) not in gone_since:
+                    self._put(obj)
+            self._gone = {k: gone for k, gone in self._gone.items()
+                          if k[0] != kind or k in gone_since}
 
     def drop(self, obj: Mapping[str, Any]) -> None:
         """Forget `obj`, but not a newer object of the same name: LWS recreates a group's pods
@@ -118,6 +124,7 @@ class Store:
             held = self.objects.get(k)
             if held is not None and _same_object(held, obj):
                 del self.objects[k]
+                self._gone[k] = obj  # until a listing taken after it (replace)
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         with self._lock:

@@ -262,7 +262,9 @@ def test_a_listing_keeps_what_a_watch_stored_after_it_was_taken() -> None:
     store = Store()
     for p in (pod("deleted-unseen", "5"), pod("listed", "6"), pod("created-since", "12")):
         store.put(p)
-    store.replace("Pod", [pod("listed", "9")], as_of="10")
+    store.put(pod("deleted-since", "7"))
+    store.drop(pod("deleted-since", "11"))  # its deletion, handled before the listing's reply
+    store.replace("Pod", [pod("listed", "9"), pod("deleted-since", "7")], as_of="10")
     assert {k[2]: o["metadata"]["resourceVersion"] for k, o in store.objects.items()} == {
         "listed": "9", "created-since": "12"}
 
