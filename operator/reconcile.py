@@ -111,8 +111,9 @@ class Store:
             for obj in trimmed:
                 if key_of(obj) not in gone_since:
                     self._put(obj)
-            self._gone = {k: gone for k, gone in self._gone.items()
-                          if k[0] != kind or k in gone_since}
+            if as_of.isdigit():  # resourceVersions are cluster-wide: every later listing, of
+                # any kind, shows what was deleted before this one
+                self._gone = {k: gone for k, gone in self._gone.items() if _after(gone, as_of)}
 
     def drop(self, obj: Mapping[str, Any]) -> None:
         """Forget `obj`, but not a newer object of the same name: LWS recreates a group's pods

@@ -267,6 +267,12 @@ def test_a_listing_keeps_what_a_watch_stored_after_it_was_taken() -> None:
     store.replace("Pod", [pod("listed", "9"), pod("deleted-since", "7")], as_of="10")
     assert {k[2]: o["metadata"]["resourceVersion"] for k, o in store.objects.items()} == {
         "listed": "9", "created-since": "12"}
+    # Deletions older than a listing are forgotten at the next listing of any kind (an older
+    # Pod listing then stands in to show the tombstone is gone).
+    store.drop(pod("created-since", "13"))
+    store.replace("Service", [], as_of="14")
+    store.replace("Pod", [pod("created-since", "12")], as_of="12")
+    assert store.get("Pod", "llm", "created-since") is not None
 
 
 def test_a_pod_recreated_under_its_name_outlives_the_old_pods_late_deletion() -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
 from tessera.operator import constants as c
+from tessera.operator.reconcile import GROUP_RESTARTED, Reconciler, Store
+from tessera.operator.render import render_configs
 from tessera.operator.stranded import restart_window, stranded_groups
 from test_operator_refusals import RejectingKube
 
@@ -97,12 +101,6 @@ def test_a_reconciler_restarts_a_stranded_group_and_backs_off_while_it_stays_str
     """The multi-node example with a topology key, its prefill group 0 stranded (as a store
     that never sees the pods change would show it): restarted at once, then not again within
     the window, which doubles with each restart in a row and starts over after a quiet spell."""
-    from pathlib import Path
-
-    import yaml
-    from tessera.operator.reconcile import GROUP_RESTARTED, Reconciler, Store
-    from tessera.operator.render import render_configs
-
     example = Path(__file__).resolve().parents[2] / "examples/03-kimi-k2-multinode"
     md = yaml.safe_load((example / "modeldeployment.yaml").read_text())
     md["metadata"].update(namespace="llm", uid="uid-3", generation=1, resourceVersion="1")
