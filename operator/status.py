@@ -83,10 +83,11 @@ def observe_group_set(lws: Mapping[str, Any] | None,
     counts a group ready only when its leader and every worker are, so a lost pod makes its
     whole replica unready. Its count can lag the pods (seen: a worker Pending on a cordoned
     node, and a restarted group whose new leader ran before its worker existed, while
-    readyReplicas stayed 2 of 2), so a group of which some pods are seen counts only with
-    all its pods seen, Ready and not being deleted, whatever LWS says. LWS publishes no
-    observedGeneration: a spec change shows up once its controller marks UpdateInProgress,
-    one reconcile of it after the apply."""
+    readyReplicas stayed 2 of 2), so once any pod of the set is seen, a group counts only
+    with all its pods seen, Ready and not being deleted, whatever LWS says; a group of which
+    no pod is seen then is one being recreated (its old pods gone, its new ones not yet
+    reported). LWS publishes no observedGeneration: a spec change shows up once its
+    controller marks UpdateInProgress, one reconcile of it after the apply."""
     if lws is None:
         return None
     spec, st = lws.get("spec", {}), lws.get("status", {})
@@ -96,17 +97,19 @@ def observe_group_set(lws: Mapping[str, Any] | None,
     for pod in pods:
         seen_pods.setdefault(pod["metadata"].get("labels", {}).get(c.LWS_LABEL_GROUP_INDEX, ""),
                              []).append(pod)
-    unready_groups = {group for group, members in seen_pods.items()
-                      if len(members) < size or not all(
-                          _pod_ready(p) and not p["metadata"].get("deletionTimestamp")
-                          for p in members)} & {str(i) for i in range(desired)}
+
+    def whole(members: list[Mapping[str, Any]]) -> bool:
+        return len(members) == size and all(
+            _pod_ready(p) and not p["metadata"].get("deletionTimestamp") for p in members)
+
+    whole_groups = sum(whole(seen_pods.get(str(i), [])) for i in range(desired))
     true = {cond.get("type") for cond in st.get("conditions", [])
             if cond.get("status") == TRUE}
     seen = {cond.get("type") for cond in st.get("conditions", [])}
     return Workload(
         desired=desired,
         current=int(st.get("replicas", 0)),
-        ready=max(0, min(int(st.get("readyReplicas", 0)), desired - len(unready_groups))),
+        ready=min(int(st.get("readyReplicas", 0)), whole_groups if seen_pods else desired),
         updated=int(st.get("updatedReplicas", 0)),
         synced="UpdateInProgress" not in true,
         failure="",

@@ -240,15 +240,17 @@ def test_a_group_stranded_in_a_full_block_is_restarted_where_it_fits(
             "--wait=false")
     poll("the deployment Ready", lambda: ready(kubectl, namespace, "strand"), READY_TIMEOUT_S,
          seen=lambda: kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
+    # Shown only when an assertion below fails (pytest cuts a long assertion message).
+    print(kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp").stdout,
+          kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
     block = {n: "ab"[i // 2] for i, n in enumerate(wide_pool)}
     placed = {g: sorted(block[p["spec"]["nodeName"]] for p in group.values())
               for g, group in groups(kubectl, namespace).items()}
-    assert sorted(map(tuple, placed.values())) == [("a", "a"), ("b", "b")], (
-        placed, kubectl("get", "events", "-n", namespace).stdout)
+    assert sorted(map(tuple, placed.values())) == [("a", "a"), ("b", "b")], placed
     events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json",
                                 "--field-selector", "reason=GroupRestarted").stdout)["items"]
     restarts = [e for e in events if e["involvedObject"]["name"] == "strand"]
-    assert len(restarts) == 1, (restarts, kubectl("get", "events", "-n", namespace).stdout)
+    assert len(restarts) == 1, restarts
     [restart] = restarts
     assert restart["type"] == "Warning"
     assert restart["message"].startswith("prefill group 1: its leader's block (tessera.dev/block")
