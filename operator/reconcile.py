@@ -34,6 +34,7 @@ from tessera.operator.status import Workload, build_status, observe_group_set, o
 from tessera.operator.stranded import (
     STRANDED_AFTER_S,
     StrandedGroup,
+    affinity_refusals,
     restart_window,
     stranded_groups,
 )
@@ -206,11 +207,13 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
            now: str, rejections: Sequence[Rejection] = (),
            unserved_kinds: frozenset[str] = frozenset(),
            stranded_after_s: float = STRANDED_AFTER_S,
-           settling: frozenset[str] = frozenset()) -> Decision:
+           settling: frozenset[str] = frozenset(),
+           refused_since: Mapping[str, str] | None = None) -> Decision:
     """Everything one reconcile must do, from the parent, its intent, what it owns (its
     children, their pods, the runtime's events), the children the API server rejected
-    when last applied, the optional child kinds the cluster does not serve and the phases
-    that restarted a stranded group moments ago (pure)."""
+    when last applied, the optional child kinds the cluster does not serve, the phases
+    that restarted a stranded group moments ago and since when its pods have been refused
+    for pod affinity (`stranded.affinity_refusals`; None: from now on) (pure)."""
     meta, spec = md["metadata"], md["spec"]
     children = {k: o for k, o in owned.items() if o["kind"] not in _OBSERVED_ONLY}
     pods = [o for o in owned.values() if o["kind"] == "Pod"]
@@ -249,7 +252,8 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
                                    weights, refusals)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed,
-                    stranded_groups(pods, now, stranded_after_s, settling))
+                    stranded_groups(pods, now, affinity_refusals(pods, refused_since or {}, now),
+                                    stranded_after_s, settling))
 
 
 def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], pods: Sequence[Obj],
@@ -304,12 +308,16 @@ class Reconciler:
                                           dict[str, str]],
                  clock: Callable[[], float] = time.monotonic,
                  schedule: Callable[[float, Callable[[], object]], None] | None = None,
-                 stranded_after_s: float = STRANDED_AFTER_S) -> None:
+                 stranded_after_s: float = STRANDED_AFTER_S,
+                 now: Callable[[], str] = _now) -> None:
         self.kube, self.store, self._render = kube, store, render_configs
+        self._now = now  # the wall clock, as status and pods' timestamps write it
         self._stranded_after_s = stranded_after_s
         # (deployment uid, phase) -> when it last restarted a stranded group, and how many
         # restarts in a row that was (stranded.py)
         self._restarts: dict[tuple[str, str], tuple[float, int]] = {}
+        # deployment uid -> {pod uid: since when it has been refused for pod affinity}
+        self._refusals: dict[str, dict[str, str]] = {}
         # When a backoff's retry is due, and how to be called back then (a timer thread).
         self._clock, self._schedule = clock, schedule or _call_later
         self._intents: dict[str, tuple[int, Intent]] = {}  # uid -> (generation, intent)
@@ -346,6 +354,7 @@ class Reconciler:
         self._intents.pop(uid, None)
         self._backoffs.pop(uid, None)
         self._status_backoffs.pop(uid, None)
+        self._refusals.pop(uid, None)
 
     def reconcile(self, namespace: str, name: str) -> Decision | None:
         """Reconcile one deployment; if it is already being reconciled, have that run go
@@ -397,8 +406,11 @@ class Reconciler:
         rejected = held.rejections if held else []
         intent = self._intent(md)
         unserved = self._unserved(intent)
-        decision = decide(md, self.store.owned_by(namespace, name), intent, _now(), rejected,
-                          unserved, self._stranded_after_s, self._settling(uid))
+        owned, now = self.store.owned_by(namespace, name), self._now()
+        refused = self._refusals[uid] = affinity_refusals(
+            [o for o in owned.values() if o["kind"] == "Pod"], self._refusals.get(uid, {}), now)
+        decision = decide(md, owned, intent, now, rejected, unserved, self._stranded_after_s,
+                          self._settling(uid), refused)
         if not (decision.apply or decision.prune) or (
                 held is not None and self._clock() < held.retry_at):
             return replace(decision, apply=[], prune=[])
@@ -419,9 +431,9 @@ class Reconciler:
             log.warning("%s/%s: %s; retry %d in %gs", namespace, name, said, attempts, delay)
             self._schedule(delay, lambda: self.reconcile(namespace, name))
         if rejections != rejected:  # status reports what this apply found
-            return replace(decide(md, self.store.owned_by(namespace, name), intent, _now(),
+            return replace(decide(md, self.store.owned_by(namespace, name), intent, self._now(),
                                   rejections, self._unserved(intent), self._stranded_after_s,
-                                  self._settling(uid)),
+                                  self._settling(uid), refused),
                            apply=decision.apply, prune=decision.prune)
         return decision
 

@@ -10,7 +10,10 @@ whole group) lets the new leader go where the group fits, and frees its node for
 that was there first.
 
 A worker counts as stranded only when the scheduler refused some nodes for pod affinity alone
-(they had the room): a pool that is simply full restarts nothing.
+(they had the room): a pool that is simply full restarts nothing. Its wait counts from when the
+operator first saw it so refused (`affinity_refusals`, remembered by the caller): the pod's
+own condition dates from when it first could not be placed, which may be long before any node
+had room, and a group restarted on that date would give a block about to free up no chance.
 """
 
 from __future__ import annotations
@@ -58,23 +61,32 @@ def _time(stamp: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
-def _refused_for_affinity(pod: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(since when, the scheduler's message) of a pod the scheduler cannot place while some
-    nodes were refused for pod affinity alone; None otherwise."""
+def _refused_for_affinity(pod: Mapping[str, Any]) -> str | None:
+    """The scheduler's message on a pod it cannot place while some nodes were refused for pod
+    affinity alone; None otherwise."""
     for cond in pod.get("status", {}).get("conditions") or []:
         if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
                 and cond.get("reason") == "Unschedulable"
-                and AFFINITY_REFUSAL in cond.get("message", "")
-                and cond.get("lastTransitionTime")):
-            return cond["lastTransitionTime"], cond["message"]
+                and AFFINITY_REFUSAL in cond.get("message", "")):
+            return str(cond["message"])
     return None
 
 
+def affinity_refusals(pods: Iterable[Mapping[str, Any]], seen: Mapping[str, str],
+                      now: str) -> dict[str, str]:
+    """Pod uid -> since when each pod refused for pod affinity now has been seen so: kept from
+    `seen` (the previous answer), else `now`. A pod placed or gone drops out, so a later
+    refusal starts its wait anew."""
+    return {uid: seen.get(uid, now) for pod in pods
+            if _refused_for_affinity(pod) is not None and (uid := pod["metadata"]["uid"])}
+
+
 def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
-                    after_s: float = STRANDED_AFTER_S,
+                    refused_since: Mapping[str, str], after_s: float = STRANDED_AFTER_S,
                     settling: Collection[str] = ()) -> list[StrandedGroup]:
     """Per phase, the stranded group to restart now: a group whose leader runs on a node and
-    one of whose workers has been refused for pod affinity for `after_s` or longer. One a
+    one of whose workers has been refused for pod affinity for `after_s` or longer (since
+    `refused_since[uid]`, from `affinity_refusals`). One a
     phase at a time (the highest group index), and none in a phase that is `settling` (it
     restarted a group within its restart window: the caller remembers) or whose leaders include
     one younger than `after_s` (a group rolled out moments ago), so that two groups stranded
@@ -99,15 +111,17 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
             leaders[key] = pod
     waiting: dict[tuple[str, str], tuple[float, str]] = {}
     for key, pod in workers:
-        refused = _refused_for_affinity(pod)
+        said = _refused_for_affinity(pod)
+        if said is None or (since := refused_since.get(pod["metadata"]["uid"])) is None:
+            continue
         leader = leaders.get(key)
         # A worker older than its leader is a restarted group's leftover, on its way out.
-        if refused is None or leader is None or _time(pod["metadata"]["creationTimestamp"]) < \
+        if leader is None or _time(pod["metadata"]["creationTimestamp"]) < \
                 _time(leader["metadata"]["creationTimestamp"]):
             continue
-        waited = age(refused[0])
+        waited = age(since)
         if waited > waiting.get(key, (-1.0, ""))[0]:
-            waiting[key] = (waited, refused[1])
+            waiting[key] = (waited, said)
     settling = {*settling, *(phase for (phase, _), leader in leaders.items()
                              if age(leader["metadata"]["creationTimestamp"]) < after_s)}
     due = sorted((key for key, (waited, _) in waiting.items()

@@ -335,7 +335,9 @@ def test_resync_with_nothing_changed_writes_nothing(operator: Operator, kubectl:
     # for this operator to remove: those are writes too. Let them finish first, so that "no
     # writes in any namespace" below speaks of converged deployments only.
     poll("no namespace left terminating", lambda: "Terminating" not in kubectl(
-        "get", "namespaces", "--no-headers").stdout, timeout=120)
+        "get", "namespaces", "--no-headers").stdout, timeout=120,
+         seen=lambda: kubectl("get", "namespaces,pods", "-A", "--no-headers", "-o",
+                              "wide").stdout)
     since = audit_offset(cluster)
     apply(kubectl, namespace, tiny("quiet"))
     wait_ready(kubectl, namespace, "quiet")
