@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -200,14 +199,14 @@ class Installed:
 
 
 @pytest.fixture(scope="module")
-def installed(cluster: Any) -> Iterator[Installed]:
+def installed(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     release_ns = f"tessera-chart-e2e-{os.getpid()}"
     helm(cluster, "install", RELEASE, str(CHART), "--namespace", release_ns,
          "--create-namespace", "--set", "replicaCount=0",
          "--set", f"operator.resyncSeconds={RESYNC_S:g}", "--wait", "--timeout", "2m")
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/modeldeployments.tessera.dev")
-    installed = Installed(cluster, release_ns, Path(tempfile.mkdtemp(prefix="tessera-chart-")))
+    installed = Installed(cluster, release_ns, tmp_path_factory.mktemp("chart"))
     try:
         installed.operator(IDENTITY)
         yield installed

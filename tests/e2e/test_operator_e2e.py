@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -93,11 +92,11 @@ class Operator:
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Any) -> Iterator[Operator]:
+def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     cluster.kubectl("apply", "-f", str(ROOT / "crds" / "modeldeployment.yaml"))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/modeldeployments.tessera.dev")
-    log = Path(tempfile.mkdtemp(prefix="tessera-operator-")) / "operator.log"
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
     with socket.socket() as probe:  # a free port for the metrics endpoint
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
