@@ -13,8 +13,10 @@ line, the same text in the termination message file, and an exit code from
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,6 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tessera.runtime.metrics import RuntimeMetrics, TesseraSamples
 
     multiproc_dir = tempfile.mkdtemp(prefix="tessera-metrics-")
+    atexit.register(shutil.rmtree, multiproc_dir, ignore_errors=True)
     metrics = RuntimeMetrics()
     metrics.registry.register(TesseraSamples(multiproc_dir))
     metrics.describe(config, versions())
