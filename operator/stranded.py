@@ -86,11 +86,11 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
                     settling: Collection[str] = ()) -> list[StrandedGroup]:
     """Per phase, the stranded group to restart now: a group whose leader runs on a node and
     one of whose workers has been refused for pod affinity for `after_s` or longer (since
-    `refused_since[uid]`, from `affinity_refusals`). One a
-    phase at a time (the highest group index), and none in a phase that is `settling` (it
-    restarted a group within its restart window: the caller remembers) or whose leaders include
-    one younger than `after_s` (a group rolled out moments ago), so that two groups stranded
-    in one block do not both leave it: the one that stays gets the freed node."""
+    `refused_since[uid]`, from `affinity_refusals`). One a phase at a time (the highest group
+    index), and none in a phase that is `settling` (it restarted a group within its restart
+    window: the caller remembers) or whose leaders include one younger than `after_s` (a group
+    rolled out moments ago), so that two groups stranded in one block do not both leave it:
+    the one that stays gets the freed node."""
     now_t = _time(now)
 
     def age(stamp: str) -> float:
