@@ -213,7 +213,8 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     children, their pods, the runtime's events), the children the API server rejected
     when last applied, the optional child kinds the cluster does not serve, the phases
     that restarted a stranded group moments ago and since when its pods have been refused
-    for pod affinity (`stranded.affinity_refusals`; None: from now on) (pure)."""
+    for pod affinity (`stranded.affinity_refusals`, kept by the caller; None: none yet)
+    (pure)."""
     meta, spec = md["metadata"], md["spec"]
     children = {k: o for k, o in owned.items() if o["kind"] not in _OBSERVED_ONLY}
     pods = [o for o in owned.values() if o["kind"] == "Pod"]
@@ -252,8 +253,7 @@ def decide(md: Mapping[str, Any], owned: Mapping[Key, Obj], intent: Intent,
     status, changed = build_status(md, intent.plan, intent.error, workloads, mismatches, now,
                                    weights, refusals)
     return Decision(apply, prune, status_patch(md.get("status") or {}, status), changed,
-                    stranded_groups(pods, now, affinity_refusals(pods, refused_since or {}, now),
-                                    stranded_after_s, settling))
+                    stranded_groups(pods, now, refused_since or {}, stranded_after_s, settling))
 
 
 def _observe(spec: Mapping[str, Any], children: Mapping[Key, Obj], pods: Sequence[Obj],
