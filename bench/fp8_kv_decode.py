@@ -53,6 +53,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
+    MLA_FP8_E4M3_Q_IN_CONSUMER,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
@@ -429,6 +430,10 @@ MLA_PEER_VARIANTS = {
     "wgmma": ("fp8", MLA_FP8_WGMMA),
     "e4m3": ("fp8", MLA_FP8_E4M3),
     "e4m3_128": ("fp8", MLA_FP8_E4M3_128),
+    # the 64- and 128-token ones with the query written by the consumer while the producer
+    # starts copying tiles
+    "e4m3_q_in_consumer": ("fp8", MLA_FP8_E4M3_Q_IN_CONSUMER),
+    "e4m3_128_q_in_consumer": ("fp8", replace(MLA_FP8_E4M3_128, q_in_consumer=True)),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
     # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
     # run of the batch's tiles across requests

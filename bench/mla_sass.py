@@ -86,7 +86,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
     fp8: bool = True, e4m3: bool = False, in_place: bool = False, stream_batch: int = 0,
-    wide_tiles: bool = False,
+    wide_tiles: bool = False, q_in_consumer: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
@@ -94,7 +94,8 @@ def gluon_report(
     heads-as-M kernel (``mla_decode_heads.py``, BF16 or FP8); with ``stream_batch`` the e4m3
     kernel (from 64 heads the heads-as-M one) on the stream schedule (``mla_stream.py``) for
     batches of up to that many requests;
-    with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups).
+    with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups); with
+    ``q_in_consumer`` the e4m3 kernel's consumer writes the query (``Q_IN_CONSUMER``).
     Its shared memory in bytes, registers and stack (``resources``), each partition's register
     limit (``setmaxnreg``), whether its SASS has wgmma, how many spill instructions, and the
     opcodes of its longest loop (``loop``) and of its tile loop (``tile_loop``: the innermost
@@ -112,10 +113,13 @@ def gluon_report(
         constexprs |= {"BLOCK_H": 16, "BLOCK_N": 64, "ONLY": 0}
         if wide_tiles:
             num_warps, constexprs["BLOCK_N"] = 8, 128
+        if e4m3 and not in_place:
+            constexprs["Q_IN_CONSUMER"] = q_in_consumer
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if stream_batch:
         fn = mla_heads_stream_kernel if heads >= 64 else mla_fp8_e4m3_stream_kernel
         del constexprs["BALANCED"]
+        constexprs.pop("Q_IN_CONSUMER", None)  # the stream consumer writes each piece's query
         constexprs["BATCH_P2"] = max(32 * num_warps, triton.next_power_of_2(stream_batch))
         pointers, scalars, strides = STREAM_POINTERS, STREAM_SCALARS, STREAM_STRIDES
     types = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "KV_SCALE": "*fp32",

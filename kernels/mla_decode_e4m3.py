@@ -403,12 +403,18 @@ def _consume(
 
 @gluon.jit
 def _consumer(
-    start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
-    p_s, loaded, empty, part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-    stride_ps, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    start, end, sm_scale_log2e, q_unit, Q, stride_qb, stride_qh, qq_lat, qq_rope, k_lat_all,
+    k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b, split, hb, num_heads,
+    stride_pb, stride_ph, stride_ps, D: gl.constexpr, D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_IN_CONSUMER: gl.constexpr,
     ONLY: gl.constexpr,
 ):  # fmt: skip
-    """One split: its tiles, then its partial output and log-sum-exp."""
+    """One split: its query where ``Q_IN_CONSUMER`` (else ``q_unit`` and the buffers hold it
+    already), its tiles, then its partial output and log-sum-exp."""
+    if Q_IN_CONSUMER:
+        q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
+                          BLOCK_H, _consumer_warps(BLOCK_N))  # fmt: skip
+        fence_async_shared()  # q's stores, before the products read it
     acc, acc_unit, m, l = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                    k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
                                    BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
@@ -539,11 +545,14 @@ def mla_fp8_e4m3_kernel(
     D_ROPE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    Q_IN_CONSUMER: gl.constexpr = False,
     ONLY: gl.constexpr = 0,
 ):
     """Stage 1: the producer warpgroup copies raw tiles, the consumer (the kernel's warps: one
     warpgroup for 64-token tiles, two for 128) reads their V^T and runs both e4m3 products and
-    the softmax. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that
+    the softmax. ``Q_IN_CONSUMER``: the consumer writes the query's e4m3 parts while the
+    producer starts on the tiles, instead of the whole program writing them before either
+    side starts. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that
     side's work alone."""
     gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "a warpgroup's MMA has M = 64")
     pid = gl.program_id(0)
@@ -553,18 +562,22 @@ def mla_fp8_e4m3_kernel(
 
     row, start, end = _split_range(seq_lens, indptr, b, split, num_splits, fixed_split_len,
                                    LENS_ARE_ENDS, BLOCK_N, BALANCED)  # fmt: skip
-    q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
-                                              D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
+    if Q_IN_CONSUMER:
+        qq_lat, qq_rope = _q_buffers(BLOCK_H, D, D_ROPE)
+        q_unit = 0.0  # the consumer's _store_q gives it
+    else:
+        q_unit, qq_lat, qq_rope = _q_in_two_parts(Q, b, hb, num_heads, stride_qb, stride_qh, D,
+                                                  D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
 
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
     fence_async_shared()  # q's stores, before the products read it
 
     gl.warp_specialize(
         [
-            (_consumer, (start, end, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all,
-                         k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b,
-                         split, hb, num_heads, stride_pb, stride_ph, stride_ps, D, BLOCK_H,
-                         BLOCK_N, ONLY)),
+            (_consumer, (start, end, sm_scale_log2e, q_unit, Q, stride_qb, stride_qh, qq_lat,
+                         qq_rope, k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
+                         part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
+                         stride_ps, D, D_ROPE, BLOCK_H, BLOCK_N, Q_IN_CONSUMER, ONLY)),
             (_produce, (KV, KV_SCALE, indices, row, start, end, 0, stride_kv_slot,
                         stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),

@@ -69,6 +69,9 @@ class DecodeConfig:
     e4m3: bool = False
     # ... with V^T written over each tile by the producer instead (mla_decode_e4m3_inplace.py)
     e4m3_in_place: bool = False
+    # ... with the query's e4m3 parts written by its consumer while the producer starts on the
+    # tiles (mla_decode_e4m3.py's Q_IN_CONSUMER), not by the whole program before either starts
+    q_in_consumer: bool = False
     # at most this many tokens a split (0: no limit), whatever the plan would give
     max_split_tokens: int = 0
     # the e4m3 kernel on the stream schedule (mla_stream.py): one program an SM, each taking an
@@ -130,6 +133,8 @@ MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
 # steps (scores, softmax, p's store, the output product) for the same tokens. Its consumer
 # alone is 1.2x the 64-token one's; with the producer, 1.02-1.05x (E4M3_MIN_TOKENS)
 MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
+# ... on 64-token tiles, the query written by the consumer while the producer starts copying
+MLA_FP8_E4M3_Q_IN_CONSUMER = replace(MLA_FP8_E4M3, q_in_consumer=True)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
@@ -1153,9 +1158,12 @@ def paged_decode(
 
     if v_from_k and (cfg.wgmma or cfg.e4m3):
         if cfg.e4m3:
-            kernel = mla_fp8_e4m3_inplace_kernel if cfg.e4m3_in_place else mla_fp8_e4m3_kernel
+            if cfg.e4m3_in_place:
+                kernel, flags = mla_fp8_e4m3_inplace_kernel, {}
+            else:
+                kernel, flags = mla_fp8_e4m3_kernel, {"Q_IN_CONSUMER": cfg.q_in_consumer}
             kernel[(programs, splits)](
-                ONLY=cfg.only, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
+                ONLY=cfg.only, **flags, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )
         else:
             mla_fp8_wgmma_kernel[(programs, splits)](

@@ -7,6 +7,8 @@ its place, in test_paged_decode.py).
 e4m3 casts need ``gpu_like_interpreter`` on the CPU (the interpreter's own cast drops the carry
 into the exponent), so these live in their own module."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
@@ -15,6 +17,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
+    MLA_FP8_E4M3_Q_IN_CONSUMER,
     MLA_FP8_E4M3_STREAM,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -62,9 +65,12 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
 @pytest.mark.parametrize("heads", [8, 16, 20])
 @pytest.mark.parametrize(
     "config",
-    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_STREAM],
-    ids=["regs", "regs_128", "in_place", "stream"],
-)
+    [
+        MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_STREAM,
+        MLA_FP8_E4M3_Q_IN_CONSUMER, replace(MLA_FP8_E4M3_128, q_in_consumer=True),
+    ],
+    ids=["regs", "regs_128", "in_place", "stream", "regs_q_in_consumer", "regs_128_q_in_consumer"],
+)  # fmt: skip
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
     """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, on 64-
     or 128-token tiles, or written over the tile by the producer; the first on the stream

@@ -70,6 +70,19 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
     assert loop.get("QGMMA") and not loop.get("LDG"), built
 
 
+@pytest.mark.parametrize("wide_tiles", [False, True])
+def test_gluon_e4m3_kernel_with_the_query_in_its_consumer_builds(wide_tiles):
+    """The consumer writing the query (``Q_IN_CONSUMER``) takes no more shared memory, and its
+    tile loop is the same: an e4m3 MMA and no global load; no spills with Triton 3.6."""
+    built = _report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, True)")
+    main = _report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, False)")
+    assert built["shared"] == main["shared"] <= SM90_SHARED_PER_BLOCK, built
+    assert built["tile_loop"] == main["tile_loop"], (built, main)
+    assert built["tile_loop"].get("QGMMA") and not built["tile_loop"].get("LDG"), built
+    if triton.__version__.startswith("3.6."):
+        assert built["spills"] == 0 and "STACK:0" in built["resources"], built
+
+
 @pytest.mark.parametrize(("entries_per_page", "batch"), [(1, 300), (64, STREAM_MAX_BATCH)])
 def test_gluon_stream_kernel_builds_with_a_spill_free_tile_loop(entries_per_page, batch):
     """The e4m3 kernel on the stream schedule, up to its largest batch (the requests' ends in
