@@ -537,7 +537,7 @@ def mla_peers(copy_bw, flashmla, sglang, quick, add, min_heads=0, only=(), shape
             # FP8 kernels at 8-16 heads, the Triton 64-heads one); on the mixes the other wave
             # plan too; the rest only on the named shapes
             keep = ("triton", "wgmma", "e4m3", "e4m3_128", "e4m3_in_place", "e4m3_stream",
-                    "triton64", "heads_m", "heads_m_stream")
+                    "e4m3_q_in_consumer", "triton64", "heads_m", "heads_m_stream")
             keep += ("wgmma_one_wave", "heads_m_2w") if mix else ()
             table = {k: v for k, v in table.items() if k in keep}
         try:

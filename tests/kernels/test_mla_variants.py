@@ -117,8 +117,9 @@ def test_heads_m_kernel_matches_reference(kv_dtype, page_size, balanced, heads, 
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize(
     ("heads", "config"),
-    [(16, MLA_FP8_WGMMA), (16, MLA_FP8_E4M3_IN_PLACE), (16, MLA_FP8_E4M3), (8, MLA_FP8_E4M3_128)],
-    ids=["wgmma", "in_place", "regs", "regs_128"],
+    [(16, MLA_FP8_WGMMA), (16, MLA_FP8_E4M3_IN_PLACE), (16, MLA_FP8_E4M3), (8, MLA_FP8_E4M3_128),
+     (16, MLA_FP8_E4M3_Q_IN_CONSUMER)],
+    ids=["wgmma", "in_place", "regs", "regs_128", "regs_q_in_consumer"],
 )  # fmt: skip
 def test_short_splits_merged_at_once_match_reference(balanced, heads, config):
     """Each FP8 Gluon kernel with its splits as short as one tile, merged at once (the request
@@ -145,7 +146,7 @@ def test_heads_m_stream_cuts_requests_anywhere(kv_dtype, heads):
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize(
     "config",
-    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_STREAM],
+    [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_STREAM, MLA_FP8_E4M3_Q_IN_CONSUMER],
     ids=["splits", "128", "stream"],
 )
 def test_e4m3_kernel_stays_accurate_over_long_splits(balanced, config):
