@@ -147,7 +147,7 @@ def test_heads_m_stream_cuts_requests_anywhere(kv_dtype, heads):
 @pytest.mark.parametrize(
     "config",
     [MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_STREAM, MLA_FP8_E4M3_Q_IN_CONSUMER],
-    ids=["splits", "128", "stream"],
+    ids=["splits", "128", "stream", "q_in_consumer"],
 )
 def test_e4m3_kernel_stays_accurate_over_long_splits(balanced, config):
     """The e4m3 kernels sum a split's tiles inside the tensor cores, with fewer bits than fp32,
