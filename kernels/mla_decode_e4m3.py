@@ -570,7 +570,7 @@ def mla_fp8_e4m3_kernel(
                                                   D_ROPE, BLOCK_H, _consumer_warps(BLOCK_N))
 
     k_lat_all, k_rope_all, scales_all, p_s, loaded, empty = _ring(BLOCK_N, BLOCK_H, D, D_ROPE)
-    fence_async_shared()  # q's stores, before the products read it
+    fence_async_shared()  # the barriers' init and q's stores (unless the consumer writes q)
 
     gl.warp_specialize(
         [
