@@ -702,7 +702,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         out += [GemmConfig("triton", 8, bn, 128, 1, 4, stages, swap=True)
                 for bn in (32, 64, 128) for stages in (4, 8)]  # fmt: skip
     if m == 1:  # the CUDA-core path decodes the words once per token: slower from M = 2 (v5)
-        for bn, bk in ((128, 128), (256, 64)):
+        # narrow column tiles: more programs for the slice's small linears (0.9-7.6 MB, bound
+        # by each call's latency, not its bytes)
+        for bn, bk in ((128, 128), (256, 64), (64, 128), (32, 128)):
             for s in _split_counts(triton.cdiv(n, bn) * m):
                 out.append(GemmConfig("gemv", 1, bn, bk, s, 4))
     return out
