@@ -52,6 +52,7 @@ from tessera.kernels.w4a16_gemm import (
     _candidates,
     _graph_time,
     _m_bucket,
+    _wgmma_candidates,
     w4a16_matmul,
 )
 from tessera.kernels.w4a16_moe import (
@@ -175,14 +176,23 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             marlin.update(deepgemm_times(xs, fp8, m, n, k))
         tuned = [v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(m), n, k)]
         twin = {}
-        if tuned and tuned[-1].split_k > 1:  # the same tile, its splits met the other way
+        if tuned and tuned[-1].split_k > 1 and tuned[-1].path != "wgmma":
+            # the same tile, its splits met the other way
             other = dataclasses.replace(tuned[-1], counted=not tuned[-1].counted)
             twin["int4_other_split_us"] = graph_time_us(
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
+        # the Gluon kernel's tiles (Hopper), whatever the tuner picked: its best, side by side
+        wgmma = {}
+        for cfg in _wgmma_candidates(xs[0], ws[0]):
+            t = graph_time_us(lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c),
+                              sets)  # fmt: skip
+            if t < wgmma.get("wgmma_us", float("inf")):
+                wgmma = {"wgmma_us": t, "wgmma_config": _short(cfg),
+                         "wgmma_rel_l2_vs_fp32": rel_l2(w4a16_matmul(xs[0], ws[0], cfg), ref)}
         per_config, tuner = {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
-            for cfg in _candidates(m, n, k):
+            for cfg in _candidates(m, n, k) + _wgmma_candidates(xs[0], ws[0]):
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
                 )
@@ -197,7 +207,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config, "tuner_us": tuner, **marlin, **twin,
+            "candidates_us": per_config, "tuner_us": tuner, **marlin, **twin, **wgmma,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
@@ -210,6 +220,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
               + (f"  marlin {marlin['marlin_us']:8.1f}us x{marlin['x_vs_marlin']:5.2f}"
                  if "marlin_us" in marlin else "")
               + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else "")
+              + (f"  wgmma {wgmma['wgmma_us']:6.1f}us ({wgmma['wgmma_config']})" if wgmma else "")
               + (f"  deepgemm {marlin['deepgemm_us']:6.1f}us "
                  f"(gemm {marlin['deepgemm_gemm_us']:.1f})" if "deepgemm_us" in marlin else ""),
               flush=True)  # fmt: skip
@@ -237,6 +248,8 @@ def _short(cfg) -> str:
     path = getattr(cfg, "path", "triton")
     if path == "gemv":
         return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
+    if path == "wgmma":
+        return f"wgmma{cfg.block_m}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"

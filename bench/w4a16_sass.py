@@ -13,6 +13,7 @@ issue when this number is high: an SM issues about 128 thread-instructions per c
     python bench/w4a16_sass.py --plain ...          # the plain-Triton decode instead of the PTX one
     python bench/w4a16_sass.py --moe ...            # the MoE grouped GEMM (INT4 experts)
     python bench/w4a16_sass.py --gemv 1,128,128,4   # the one-token CUDA-core GEMV (BLOCK_M unused)
+    python bench/w4a16_sass.py --wgmma 64,64,32,4   # the Gluon warpgroup-MMA kernel (BM tokens)
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from pathlib import Path
 import triton
 from tessera.kernels.w4a16_gemm import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from tessera.kernels.w4a16_moe import _moe_gemm_kernel
+from tessera.kernels.w4a16_wgmma import w4a16_wgmma_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 GEMM_SIGNATURE = {
@@ -43,6 +46,11 @@ MOE_SIGNATURE = {
     "stride_wk": "i32", "stride_se": "i32", "stride_sk": "i32",
 }  # fmt: skip
 GEMV_SIGNATURE = GEMM_SIGNATURE
+WGMMA_SIGNATURE = {
+    "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
+    "N": "i32", "K": "i32", "split_k": "i32", "stride_xm": "i32", "stride_qk": "i32",
+    "stride_sk": "i32", "stride_om": "i32",
+}  # fmt: skip
 NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x", "sum_rows"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
     (16, 64, 128, 4, 4),
@@ -94,6 +102,34 @@ def compile_cubin(
     return kernel.asm["cubin"]
 
 
+def compile_wgmma_cubin(bm: int, group: int, split: bool = False) -> tuple[bytes, int]:
+    """The Gluon kernel (``w4a16_wgmma.py``) for ``bm`` tokens a tile: its cubin and shared
+    memory in bytes."""
+    fn, sig = w4a16_wgmma_kernel, dict(WGMMA_SIGNATURE)
+    if split:
+        sig["out_ptr"] = "*fp32"
+    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split}
+    signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {
+        (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
+    }
+    src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return kernel.asm["cubin"], kernel.metadata.shared
+
+
+def wgmma_report(bm: int, group: int, split: bool = False) -> dict:
+    """The Gluon kernel's registers and stack, shared memory and K-loop opcodes (the loop with
+    the warpgroup MMAs), for ``tests/kernels/test_w4a16_wgmma_compile.py``."""
+    scratch = Path.home() / ".cache" / "tessera" / "sass"
+    scratch.mkdir(parents=True, exist_ok=True)
+    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}.cubin"
+    data, shared = compile_wgmma_cubin(bm, group, split)
+    cubin.write_bytes(data)
+    return {"resources": resources(cubin), "shared": shared,
+            "loop": dict(loop_opcodes(cubin, innermost_with="HGMMA"))}  # fmt: skip
+
+
 def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:
     """Opcodes between the target of the longest backward branch and the branch; with
     ``innermost_with``, of the shortest loop that holds that opcode instead."""
@@ -133,8 +169,20 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="weights as the dot's first operand")
     ap.add_argument("--silu", action="store_true", help="MoE up GEMM with SiLU-and-mul epilogue")
     ap.add_argument("--gemv", action="store_true", help="the one-token CUDA-core GEMV")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="the Gluon warpgroup-MMA kernel (BLOCK_M: tokens; BLOCK_N 64, 4 warps)")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or CONFIGS
+    if args.wgmma:
+        for bm, _, group, *_ in configs:
+            built = wgmma_report(bm, group)
+            total = sum(built["loop"].values())
+            loop = collections.Counter(built["loop"])
+            top = ", ".join(f"{op} {n}" for op, n in loop.most_common(10))
+            print(f"wgmma BM={bm:3d} g{group:<3d}: {built['resources']}, shared {built['shared']}, "
+                  f"K loop {total} instr = {total / (64 * 128 // 128):.1f} per weight per thread; "
+                  f"{top}", flush=True)  # fmt: skip
+        return
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
     kind = "moe" if args.moe else "gemv" if args.gemv else "gemm"

@@ -12,7 +12,7 @@ Maths of one K step of ``BLOCK_K = 8 R`` rows, for word row ``r`` and nibble ``i
 so each nibble plane ``i`` is one ``[BLOCK_M, R] x [R, BLOCK_N]`` tensor-core dot over the strided
 activations ``x[:, i::8]``: the packed words are loaded once, coalesced along N, and never
 reshaped. Two codes become a packed bf16x2 ``128 + code`` in about two instructions, without an
-int->float conversion (:func:`_plane_asm`); a second dot with ``-(128 + zero)`` removes the
+int->float conversion (``w4a16_layout.plane_ptx``); a second dot with ``-(128 + zero)`` removes the
 offset when a group spans the whole K step, and the scale then multiplies the
 ``[BLOCK_M, BLOCK_N]`` partial sum instead of every weight. Smaller groups decode each weight to
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
@@ -38,6 +38,10 @@ import triton
 import triton.language as tl
 
 from .w4a16_format import PACK, W4A16Weight, dequantize
+from .w4a16_layout import plane_ptx
+from .w4a16_wgmma import BLOCK_N as WGMMA_BLOCK_N
+from .w4a16_wgmma import STEP as WGMMA_STEP
+from .w4a16_wgmma import w4a16_wgmma_kernel
 
 __all__ = [
     "GemmConfig",
@@ -53,28 +57,6 @@ __all__ = [
 MAGIC = tl.constexpr(8388608.0)  # 2**23: the fp32 whose low mantissa bits are the code
 
 
-def _plane_asm(i: int, scaled: bool) -> str:
-    """PTX for nibble plane ``i`` of two int32 words ``$1``, ``$2`` -> bf16x2 ``$0`` (``pack=2``).
-
-    ``prmt`` puts the 16-bit half holding nibble ``i`` of ``$1`` in the low half and that of
-    ``$2`` in the high half; one shift and one ``lop3`` (``(t & 0x000F000F) | 0x43004300``) give
-    ``128 + code`` in both bf16 halves (bf16 ``0x4300`` is 128 and its last mantissa bit is 1), so
-    two weights cost about two instructions. Unscaled (``scaled=False``) that is the result: the
-    caller removes ``128 + zero`` with a second dot. Scaled, ``$3`` holds ``-(128 + zero)`` and
-    ``$4`` the scale (both bf16x2): ``fma`` gives ``code - zero`` exactly, a second ``fma`` (with
-    ``-0``) rounds ``(code - zero) * scale`` once, as an fp32 product cast to bf16 would.
-    """
-    t = "{ .reg .b32 t, c; "
-    t += f"prmt.b32 t, $1, $2, {'0x5410' if i < 4 else '0x7632'}; "
-    if i % 4:
-        t += f"shr.u32 t, t, {4 * (i % 4)}; "
-    if not scaled:
-        return t + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
-    t += "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-    t += "mov.b32 c, 0x3F803F80; fma.rn.bf16x2 t, t, c, $3; "
-    return t + "mov.b32 c, 0x80008000; fma.rn.bf16x2 $0, t, $4, c; }"
-
-
 @triton.jit
 def _plane(words, i: tl.constexpr, magic_zero):
     """Nibble plane ``i`` of int32 ``words`` as fp32 ``code - zero``; ``magic_zero = 2**23 + zero``.
@@ -84,8 +66,8 @@ def _plane(words, i: tl.constexpr, magic_zero):
     return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - magic_zero
 
 
-_PLANE_RAW = tl.constexpr(tuple(_plane_asm(i, False) for i in range(8)))
-_PLANE_SCALED = tl.constexpr(tuple(_plane_asm(i, True) for i in range(8)))
+_PLANE_RAW = tl.constexpr(tuple(plane_ptx(i, "raw") for i in range(8)))
+_PLANE_SCALED = tl.constexpr(tuple(plane_ptx(i, "scaled") for i in range(8)))
 
 
 @triton.jit
@@ -612,7 +594,9 @@ def _w4a16_dequant_kernel(
 @dataclass(frozen=True)
 class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
-    (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused) or
+    (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused), ``"wgmma"``
+    (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns;
+    split K always adds into a zeroed fp32 output, no dependent launch) or
     ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
@@ -710,6 +694,24 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     return out
 
 
+def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
+    """The Gluon kernel's tiles where it runs (sm_90, symmetric codes, bf16 scales, K a
+    multiple of its step, up to 64 tokens): one token tile of the M bucket's size (from 8),
+    each with the split counts of its tile count."""
+    m = x.shape[0]
+    runs = (
+        not interpreted() and m <= 64 and w.zeros is None and w.scales.dtype == torch.bfloat16
+        and w.k % WGMMA_STEP == 0
+        and torch.cuda.get_device_capability(x.device) == (9, 0)
+    )  # fmt: skip
+    if not runs:
+        return []
+    bm = max(8, _m_bucket(m))
+    tiles = triton.cdiv(w.n, WGMMA_BLOCK_N)
+    return [GemmConfig("wgmma", bm, WGMMA_BLOCK_N, WGMMA_STEP, s, 4, counted=False, pdl=0)
+            for s in _split_counts(tiles)]  # fmt: skip
+
+
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
     if w.qweight.dim() != 2:
         raise ValueError("w4a16_matmul takes one weight [K/8, N]; use w4a16_moe for experts")
@@ -767,6 +769,18 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
+    if cfg.path == "wgmma":
+        split = cfg.split_k > 1
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+        if split:
+            out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
+        w4a16_wgmma_kernel[grid](
+            x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+            GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        return out.to(torch.bfloat16)
     split = cfg.split_k > 1
     counted = split and cfg.counted
     if split and not counted:  # fp32 atomics into a zeroed output, cast afterwards
@@ -892,8 +906,9 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
     if config is None:
         m = x.shape[0]
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
-               torch.cuda.get_device_name(x.device))  # fmt: skip
-        config = tune_cached(key, _candidates(m, w.n, w.k), lambda c: _run(x, w, c))
+               w.scales.dtype, torch.cuda.get_device_name(x.device))  # fmt: skip
+        candidates = _candidates(m, w.n, w.k) + _wgmma_candidates(x, w)
+        config = tune_cached(key, candidates, lambda c: _run(x, w, c))
     return _run(x, w, config)
 
 

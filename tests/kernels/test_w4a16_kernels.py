@@ -565,3 +565,44 @@ def test_workspace_does_not_grow_inside_a_graph_capture():
         with torch.cuda.graph(graph):
             counted_workspace(device, 2 * size, 0)
     assert gemm_module._WORKSPACES[device][-1].numel() == size
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_wgmma_gemm_matches_reference(m, group, split_k):
+    """The Gluon warpgroup-MMA kernel: token tiles of 8 to 64 (M = 5 and 33 padded), N not a
+    multiple of its 64 columns, per-weight scales (groups 32, 64) and per-step ones (128), K
+    split unevenly (8 steps in 3 parts)."""
+    n, k = 200, 1024
+    w = make_weight((n, k), group, True, seed=group + m)
+    x = make_x(m, k, seed=m)
+    cfg = GemmConfig("wgmma", max(8, gemm_module._m_bucket(m)), 64, 128, split_k, 4,
+                     counted=False, pdl=0)  # fmt: skip
+    out = w4a16_matmul(x, w, cfg)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2, cfg
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m", [16, 64])
+@pytest.mark.parametrize("n,k,group", [(2112, 7168, 32), (16384, 7168, 128)])
+def test_wgmma_candidates_real_shapes(m, n, k, group):
+    """Every tile the tuner offers the Gluon kernel at the decode slice's fused q_a + kv_a and
+    at the target shape."""
+    w = make_weight((n, k), group, True, seed=n)
+    x = make_x(m, k, seed=m)
+    ref = w4a16_matmul_reference(x, w)
+    cfgs = gemm_module._wgmma_candidates(x, w)
+    assert cfgs
+    for cfg in cfgs:
+        assert rel_l2(w4a16_matmul(x, w, cfg), ref) <= REL_L2, cfg

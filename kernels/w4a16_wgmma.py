@@ -1,0 +1,193 @@
+"""INT4 weight x BF16 activation GEMM for 16 to 64 tokens on Hopper's warpgroup MMA, in Gluon:
+each weight decoded once, in the registers the MMA reads it from.
+
+The Triton GEMM (``w4a16_gemm.py``) leaves the decoded weights' layout to the compiler; from 16
+tokens its tiles decode each weight once per 8-token tile, or hand ``wgmma`` a register
+operand that Triton first moves through shared memory, and at 64 tokens it took twice
+Marlin's time. Here the layout is chosen: the weights are the MMA's A operand (``acc^T = W
+x^T``, 64 output columns as M, the tokens as N), and each thread loads exactly the packed words
+whose nibbles its A registers hold.
+
+For nibble plane ``i`` of a K step of 128 inputs (16 word rows ``r``, ``k = 8 r + i``), the A
+operand is ``[64 columns, 16 rows]``; with ``k_width = 2`` a thread's register holds two
+neighbouring rows ``(2 t, 2 t + 1)`` of one column, which is what one ``prmt`` of those two
+words gives (``w4a16_layout.plane_ptx``). So one thread's eight words of a step (rows ``2 t``,
+``2 t + 1``, ``2 t + 8``, ``2 t + 9`` of two columns) feed all eight planes' MMAs, with no
+shuffle and no shared memory. The activations are the B operand: each step's ``[tokens, 128]``
+slice goes to shared memory plane by plane (``x[:, i::8]``), a step ahead.
+
+Scales: with a group of 128 or more the planes decode to ``code - zero`` and the scale
+multiplies the step's ``[64, tokens]`` partial sum; with smaller groups each weight decodes to
+``(code - zero) * scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate
+across steps. Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K
+adds fp32 partial sums into a zeroed output (the caller casts it).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .w4a16_layout import plane_ptx
+
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.9 renamed it
+
+BLOCK_N = gl.constexpr(64)  # output columns a program: one warpgroup MMA's M
+STEP = gl.constexpr(128)  # inputs a K step: 16 word rows, eight 16-row planes
+
+
+_PLANE_OFFSET = gl.constexpr(tuple(plane_ptx(i, "offset") for i in range(8)))
+_PLANE_SCALED = gl.constexpr(tuple(plane_ptx(i, "scaled") for i in range(8)))
+_NEG_ZERO_SYMMETRIC = gl.constexpr(-136.0)  # -(128 + 8)
+
+
+@gluon.jit
+def _step_words(qw_ptr, step, n0, N, stride_qk, a_l: gl.constexpr):
+    """The ``[BLOCK_N, 16]`` words of K step ``step`` (column, word row) in the A operand's
+    layout: each thread loads the words its registers decode."""
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, a_l))
+    ptrs = qw_ptr + rows[None, :] * stride_qk + cols[:, None]
+    return gl.load(ptrs, mask=(cols < N)[:, None], other=0)
+
+
+@gluon.jit
+def _step_group_scales(s_ptr, step, n0, N, stride_sk, GROUP: gl.constexpr, a_l: gl.constexpr):
+    """Groups smaller than a step: each weight's scale, shaped like ``_step_words``."""
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, a_l))
+    ptrs = s_ptr + (rows // (GROUP // 8))[None, :] * stride_sk + cols[:, None]
+    return gl.load(ptrs, mask=(cols < N)[:, None], other=0.0)
+
+
+@gluon.jit
+def _step_x(x_ptr, step, m0, M, stride_xm, BM: gl.constexpr, x_l: gl.constexpr):
+    """The step's activations ``[BM, 16, 8]`` (token, word row, nibble), 0 past ``M``: a
+    thread's 8 values are one word row's 16 contiguous bytes."""
+    rows_l: gl.constexpr = gl.SliceLayout(2, x_l)
+    m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, rows_l))
+    r = gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, rows_l))
+    i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+    k = (step * STEP + 8 * r)[None, :, None] + i[None, None, :]
+    ptrs = x_ptr + m[:, None, None] * stride_xm + k
+    return gl.load(ptrs, mask=(m < M)[:, None, None], other=0.0)
+
+
+@gluon.jit
+def _stage_x(x, xs_all, base, BM: gl.constexpr):
+    """Store the step's activations plane by plane, ``xs_all[base + i] = x[:, :, i]`` ([BM,
+    16]): register moves split the planes, as ``w4a16_gemm._planes`` does."""
+    R: gl.constexpr = STEP // 8
+    e, o = gl.split(gl.reshape(x, [BM, R, 4, 2]))  # i even, odd
+    e0, e1 = gl.split(gl.reshape(e, [BM, R, 2, 2]))  # i = 0, 4 | 2, 6
+    o0, o1 = gl.split(gl.reshape(o, [BM, R, 2, 2]))  # i = 1, 5 | 3, 7
+    x0, x4 = gl.split(e0)
+    x2, x6 = gl.split(e1)
+    x1, x5 = gl.split(o0)
+    x3, x7 = gl.split(o1)
+    xs_all.index(base + 0).store(x0)
+    xs_all.index(base + 1).store(x1)
+    xs_all.index(base + 2).store(x2)
+    xs_all.index(base + 3).store(x3)
+    xs_all.index(base + 4).store(x4)
+    xs_all.index(base + 5).store(x5)
+    xs_all.index(base + 6).store(x6)
+    xs_all.index(base + 7).store(x7)
+    fence_async_shared()  # the stores, before the MMAs read them
+    _barrier()
+
+
+@gluon.jit
+def _planes_product(words, neg_zero, scale, xs_all, base, acc, USE_ACC: gl.constexpr,
+                    ONE_GROUP: gl.constexpr):  # fmt: skip
+    """Starts ``acc (+)= sum_i plane_i(words) @ xs_all[base + i]^T`` (eight async MMAs of
+    K = 16): planes of ``code - zero``, or with ``ONE_GROUP`` false ``(code - zero) * scale``."""
+    for i in gl.static_range(8):
+        if ONE_GROUP:
+            w = gl.inline_asm_elementwise(
+                _PLANE_OFFSET[i], "=r,r,r,r", [words, neg_zero], dtype=gl.bfloat16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            w = gl.inline_asm_elementwise(
+                _PLANE_SCALED[i], "=r,r,r,r,r", [words, neg_zero, scale], dtype=gl.bfloat16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+        acc = warpgroup_mma(w, xs_all.index(base + i).permute((1, 0)), acc,
+                            use_acc=USE_ACC or i > 0, is_async=True)  # fmt: skip
+    return acc
+
+
+@gluon.jit
+def w4a16_wgmma_kernel(
+    x_ptr, qw_ptr, s_ptr, out_ptr,
+    M, N, K, split_k,
+    stride_xm, stride_qk, stride_sk, stride_om,
+    GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
+):  # fmt: skip
+    """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one ``[BM tokens, 64 columns]`` tile and
+    one of ``split_k`` K parts; 4 warps. ``out`` is bf16, or with ``SPLIT`` a zeroed fp32
+    buffer the parts add into."""
+    ONE_GROUP: gl.constexpr = GROUP % STEP == 0
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BM, 16])  # fmt: skip
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    # the activations: BM / 8 word rows of one token a thread (contiguous bytes), so each
+    # plane's store is BM / 4 bytes a thread
+    x_l: gl.constexpr = gl.BlockedLayout([1, BM // 8, 8], [BM // 4, 128 // BM, 1], [4, 1, 1],
+                                         [2, 1, 0])  # fmt: skip
+    xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, STEP // 8], gl.bfloat16)
+    col_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+
+    tiles_m = gl.cdiv(M, BM)
+    n0 = (gl.program_id(0) // tiles_m) * BLOCK_N
+    m0 = (gl.program_id(0) % tiles_m) * BM
+    steps = K // STEP
+    per_split = gl.cdiv(steps, split_k)
+    begin = gl.program_id(1) * per_split
+    end = gl.minimum(steps, begin + per_split)
+
+    xs_all = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, BM, STEP // 8], xs_l)
+    cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
+    acc = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
+    zeros = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
+    neg_zero = gl.full([BLOCK_N, STEP // 8], _NEG_ZERO_SYMMETRIC, gl.bfloat16, a_l)
+    first = gl.minimum(begin, steps - 1)  # an empty split loads a real step, harmlessly
+    words = _step_words(qw_ptr, first, n0, N, stride_qk, a_l)
+    x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
+    if ONE_GROUP:
+        scale = gl.load(s_ptr + (first * STEP // GROUP) * stride_sk + cols, mask=cols < N,
+                        other=0.0)  # fmt: skip
+    else:
+        scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, a_l)
+    for step in range(begin, end):
+        base = (step - begin) % 2 * 8
+        _stage_x(x, xs_all, base, BM)
+        # the next step's words, scales and activations in flight through this step's MMAs
+        nxt = gl.minimum(step + 1, end - 1)
+        next_words = _step_words(qw_ptr, nxt, n0, N, stride_qk, a_l)
+        next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
+        if ONE_GROUP:
+            next_scale = gl.load(s_ptr + (nxt * STEP // GROUP) * stride_sk + cols,
+                                 mask=cols < N, other=0.0)  # fmt: skip
+            part = _planes_product(words, neg_zero, scale, xs_all, base, zeros, False, True)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            acc += part * scale.to(gl.float32)[:, None]
+        else:
+            next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, a_l)
+            acc = _planes_product(words, neg_zero, scale, xs_all, base, acc, True, False)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        words, x, scale = next_words, next_x, next_scale
+
+    ms = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    ptrs = out_ptr + ms[None, :] * stride_om + cols[:, None]
+    mask = (cols < N)[:, None] & (ms < M)[None, :]
+    if SPLIT:
+        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,37 @@
+"""The Gluon INT4 GEMM (``w4a16_wgmma.py``) builds for Hopper without a GPU (Triton's bundled
+ptxas): its K loop runs warpgroup MMAs whose weight operand never passes through shared
+memory (no shared loads in the loop), with no register spills. Its results are checked on the
+GPU (test_w4a16_kernels.py).
+
+Gluon does not build under Triton's interpreter, which the CPU test session switches on, so
+``bench/w4a16_sass.py``'s report runs in a child process without it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SM90_SHARED_PER_BLOCK = 232_448
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("bm", [8, 64])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("split", [False, True])
+def test_wgmma_gemm_builds_with_register_weights(bm, group, split):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    program = (f"import json, sys; sys.path.insert(0, {str(BENCH)!r}); "
+               f"from w4a16_sass import wgmma_report; "
+               f"print(json.dumps(wgmma_report({bm}, {group}, {split})))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    loop = built["loop"]
+    assert loop.get("HGMMA") == 8, built  # eight planes a K step
+    assert not loop.get("LDS"), built  # the decoded weights stay in registers
+    assert "STACK:0" in built["resources"] and not loop.get("STL"), built
+    assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
