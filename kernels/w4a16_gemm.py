@@ -39,9 +39,7 @@ import triton.language as tl
 
 from .w4a16_format import PACK, W4A16Weight, dequantize
 from .w4a16_layout import plane_ptx
-from .w4a16_wgmma import BLOCK_N as WGMMA_BLOCK_N
-from .w4a16_wgmma import STEP as WGMMA_STEP
-from .w4a16_wgmma import w4a16_wgmma_kernel
+from .w4a16_wgmma import BLOCK_N, STEP, w4a16_wgmma_kernel
 
 __all__ = [
     "GemmConfig",
@@ -701,14 +699,14 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     m = x.shape[0]
     runs = (
         not interpreted() and m <= 64 and w.zeros is None and w.scales.dtype == torch.bfloat16
-        and w.k % WGMMA_STEP == 0
+        and w.k % STEP.value == 0
         and torch.cuda.get_device_capability(x.device) == (9, 0)
     )  # fmt: skip
     if not runs:
         return []
     bm = max(8, _m_bucket(m))
-    tiles = triton.cdiv(w.n, WGMMA_BLOCK_N)
-    return [GemmConfig("wgmma", bm, WGMMA_BLOCK_N, WGMMA_STEP, s, 4, counted=False, pdl=0)
+    tiles = triton.cdiv(w.n, BLOCK_N.value)
+    return [GemmConfig("wgmma", bm, BLOCK_N.value, STEP.value, s, 4, counted=False, pdl=0)
             for s in _split_counts(tiles)]  # fmt: skip
 
 
