@@ -108,7 +108,7 @@ def compile_wgmma_cubin(bm: int, group: int, split: bool = False) -> tuple[bytes
     fn, sig = w4a16_wgmma_kernel, dict(WGMMA_SIGNATURE)
     if split:
         sig["out_ptr"] = "*fp32"
-    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split}
+    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": 4}
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
@@ -35,7 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .w4a16_layout import plane_ptx
 
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.9 renamed it
+# Gluon's API moves between releases: Triton 3.9 renamed these two (3.6 is the GPU image's)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_N = gl.constexpr(64)  # output columns a program: one warpgroup MMA's M
 STEP = gl.constexpr(128)  # inputs a K step: 16 word rows, eight 16-row planes
@@ -47,13 +50,15 @@ _NEG_ZERO_SYMMETRIC = gl.constexpr(-136.0)  # -(128 + 8)
 
 
 @gluon.jit
-def _step_words(qw_ptr, step, n0, N, stride_qk, a_l: gl.constexpr):
-    """The ``[BLOCK_N, 16]`` words of K step ``step`` (column, word row) in the A operand's
-    layout: each thread loads the words its registers decode."""
-    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, a_l))
-    ptrs = qw_ptr + rows[None, :] * stride_qk + cols[:, None]
-    return gl.load(ptrs, mask=(cols < N)[:, None], other=0)
+def _copy_words(qw_ptr, slot, step, n0, N, stride_qk):
+    """Start copying the ``[16, BLOCK_N]`` words of K step ``step`` into ring slot ``slot``
+    (``cp.async``, 16 bytes a thread and copy; one commit group)."""
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(1, copy_l))
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, copy_l))
+    _async_load(slot, qw_ptr + rows[:, None] * stride_qk + cols[None, :],
+                mask=(cols < N)[None, :])  # fmt: skip
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -128,7 +133,7 @@ def w4a16_wgmma_kernel(
     x_ptr, qw_ptr, s_ptr, out_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
-    GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
+    GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr = 4,
 ):  # fmt: skip
     """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one ``[BM tokens, 64 columns]`` tile and
     one of ``split_k`` K parts; 4 warps. ``out`` is bf16, or with ``SPLIT`` a zeroed fp32
@@ -153,12 +158,19 @@ def w4a16_wgmma_kernel(
     end = gl.minimum(steps, begin + per_split)
 
     xs_all = gl.allocate_shared_memory(gl.bfloat16, [2 * 8, BM, STEP // 8], xs_l)
+    # the words' ring: 16-byte chunks swizzled by row, so the A operand's reads (rows 2 t ..
+    # 2 t + 9 of a column) fall in different banks
+    w_l: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, STEP // 8, BLOCK_N], w_l)
     cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
     acc = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
     zeros = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
     neg_zero = gl.full([BLOCK_N, STEP // 8], _NEG_ZERO_SYMMETRIC, gl.bfloat16, a_l)
-    first = gl.minimum(begin, steps - 1)  # an empty split loads a real step, harmlessly
-    words = _step_words(qw_ptr, first, n0, N, stride_qk, a_l)
+    # steps past the part are clamped to its last (an empty split's to a real step): their
+    # copies land unused, and every step commits one group
+    first = gl.minimum(begin, steps - 1)
+    for p in gl.static_range(STAGES - 1):
+        _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk)
     x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
     if ONE_GROUP:
         scale = gl.load(s_ptr + (first * STEP // GROUP) * stride_sk + cols, mask=cols < N,
@@ -166,11 +178,16 @@ def w4a16_wgmma_kernel(
     else:
         scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, a_l)
     for step in range(begin, end):
-        base = (step - begin) % 2 * 8
-        _stage_x(x, xs_all, base, BM)
-        # the next step's words, scales and activations in flight through this step's MMAs
+        it = step - begin
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of this step's words
+        base = it % 2 * 8
+        _stage_x(x, xs_all, base, BM)  # its barrier makes every thread's copies visible
+        words = w_ring.index(it % STAGES).permute((1, 0)).load(a_l)
+        # the slot read last step (every thread is past it) takes the words STAGES - 1 ahead;
+        # the next step's scales and activations are in flight through this step's MMAs
+        _copy_words(qw_ptr, w_ring.index((it + STAGES - 1) % STAGES),
+                    gl.minimum(step + STAGES - 1, end - 1), n0, N, stride_qk)  # fmt: skip
         nxt = gl.minimum(step + 1, end - 1)
-        next_words = _step_words(qw_ptr, nxt, n0, N, stride_qk, a_l)
         next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
         if ONE_GROUP:
             next_scale = gl.load(s_ptr + (nxt * STEP // GROUP) * stride_sk + cols,
@@ -182,7 +199,8 @@ def w4a16_wgmma_kernel(
             next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, a_l)
             acc = _planes_product(words, neg_zero, scale, xs_all, base, acc, True, False)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-        words, x, scale = next_words, next_x, next_scale
+        x, scale = next_x, next_scale
+    async_copy.wait_group(0)  # the copies past the last step
 
     ms = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
     ptrs = out_ptr + ms[None, :] * stride_om + cols[:, None]
