@@ -480,9 +480,6 @@ MLA_WIDE_PEER_VARIANTS = {  # 64+ heads; the default is the Gluon heads-as-M ker
     # everywhere: the default takes the stream where the lengths are known to be uneven
     "heads_m": ("both", MLA_HEADS_M),
     "heads_m_stream": ("both", MLA_HEADS_M_STREAM),
-    # each tile's page-table entries loaded just before its loads (the first version), not a
-    # tile ahead
-    "heads_m_entries_in_place": ("both", replace(MLA_HEADS_M, heads_entries_in_place=True)),
 }
 
 

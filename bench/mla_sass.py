@@ -106,7 +106,7 @@ def gluon_report(
                   "D_ROPE": 64}  # fmt: skip
     if heads >= 64:
         fn, num_warps = mla_heads_kernel, 8
-        constexprs |= {"FP8": fp8, "ENTRIES_IN_PLACE": False}
+        constexprs["FP8"] = fp8
     else:
         e4m3_kernel = mla_fp8_e4m3_inplace_kernel if in_place else mla_fp8_e4m3_kernel
         fn, num_warps = (e4m3_kernel if e4m3 else mla_fp8_wgmma_kernel), 4

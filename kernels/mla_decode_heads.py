@@ -53,24 +53,20 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup MMA's M
 BLOCK_N = gl.constexpr(64)  # tokens a tile
-# BF16 tiles' copies: 16 bytes a thread, 8 lanes a 128-byte row piece
-COPY_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
-COPY_ROWS = gl.constexpr(gl.SliceLayout(1, COPY_L))
-# FP8 tiles' loads: 16 bytes (four words) a thread, 8 rows a warp
-WORDS_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0]))
-WORDS_ROWS = gl.constexpr(gl.SliceLayout(1, WORDS_L))
 
 
 @gluon.jit
 def _copy_tile(
-    KV, buf_lat, buf_rope, entry, n0, end, stride_kv_slot, PAGE_SIZE: gl.constexpr,
+    KV, buf_lat, buf_rope, indices, row, n0, end, stride_kv_slot, PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
 ):  # fmt: skip
     """BF16: the tile's rows straight into shared memory (``cp.async``, one group), 0 past
-    ``end``; 16 bytes a thread and copy, a warp's 8 lanes a 128-byte row piece. ``entry``: the
-    tile's page-table entries in ``COPY_ROWS``."""
-    cols_l: gl.constexpr = gl.SliceLayout(0, COPY_L)
-    slot, mask = _tile_slots(entry, n0, end, COPY_ROWS, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    ``end``; 16 bytes a thread and copy, a warp's 8 lanes a 128-byte row piece."""
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, tile_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, mask = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     rows = KV + slot[:, None] * stride_kv_slot
     mask = mask[:, None]
     _async_load(buf_lat, rows + gl.arange(0, D, layout=cols_l)[None, :], mask=mask)
@@ -80,25 +76,28 @@ def _copy_tile(
 
 @gluon.jit
 def _load_fp8_tile(
-    KV32, KV_SCALE, entry, n0, end, stride_kv_word, stride_s_slot, PAGE_SIZE: gl.constexpr,
-    ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr, D_ROPE: gl.constexpr,
+    KV32, KV_SCALE, indices, row, n0, end, stride_kv_word, stride_s_slot,
+    PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, D: gl.constexpr,
+    D_ROPE: gl.constexpr,
 ):  # fmt: skip
     """FP8: the tile's e4m3 bytes as 32-bit words (four values each), 0 past ``end``: the
     latent's two halves ``[BLOCK_N, D / 8]`` (widened one at a time) and the rope
     ``[BLOCK_N, D_ROPE / 4]``, and its tokens' scales (stored beside the tile, so the tile loop
     waits on no global load for them: loaded there, from the page table, they cost 1.07-1.24x
     the time). 16 bytes a thread and load, 8 rows a warp (conflict-free 16-byte shared stores
-    once widened). ``entry``: the tile's page-table entries in ``WORDS_ROWS``. In quarters, as
-    the 16-heads kernel's producer loads them (``_load_tile``), this loop compiled to two more
-    barriers a tile (Triton 3.6, sm_90)."""
-    slot, in_tile = _tile_slots(entry, n0, end, WORDS_ROWS, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    once widened). In quarters, as the 16-heads kernel's producer loads them (``_load_tile``),
+    this loop compiled to two more barriers a tile (Triton 3.6, sm_90)."""
+    words_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, words_l)
+    entry = _tile_entry(indices, row, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
+    slot, in_tile = _tile_slots(entry, n0, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     rows = KV32 + slot[:, None] * stride_kv_word
     mask = in_tile[:, None]
-    cols = gl.arange(0, D // 8, layout=gl.SliceLayout(0, WORDS_L))[None, :]
+    cols = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))[None, :]
     lat0 = gl.load(rows + cols, mask=mask, other=0)
     lat1 = gl.load(rows + D // 8 + cols, mask=mask, other=0)
     rope = gl.load(
-        rows + D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, WORDS_L))[None, :],
+        rows + D // 4 + gl.arange(0, D_ROPE // 4, layout=gl.SliceLayout(0, words_l))[None, :],
         mask=mask, other=0,
     )  # fmt: skip
     scale = gl.load(KV_SCALE + slot * stride_s_slot, mask=in_tile, other=0.0)
@@ -150,7 +149,7 @@ def _attend(
     Q, KV, KV_SCALE, indices, row, b, hb, start, end, sm_scale_log2e, num_heads, stride_qb,
     stride_qh, stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all, k_rope_all, p_s,
     scales_all, PAGE_SIZE: gl.constexpr, ENTRIES_PER_PAGE: gl.constexpr, FP8: gl.constexpr,
-    D: gl.constexpr, D_ROPE: gl.constexpr, ENTRIES_IN_PLACE: gl.constexpr,
+    D: gl.constexpr, D_ROPE: gl.constexpr,
 ):  # fmt: skip
     """Request ``b``'s tokens ``[start, end)`` (its table row at ``row``) for head block ``hb``:
     its query into shared memory, then every tile. Returns the output over ``acc_unit`` (in
@@ -160,22 +159,17 @@ def _attend(
     head_s: gl.constexpr = gl.SliceLayout(1, MMA_S)
     tok_s: gl.constexpr = gl.SliceLayout(0, MMA_S)
     head_o: gl.constexpr = gl.SliceLayout(1, MMA_O)
-    # the first tile's loads go out before the query's, so their latencies overlap; each
-    # tile's page-table entries are loaded a tile before its loads, which then wait for none
+    # the first tile's loads go out before the query's, so their latencies overlap
     tiles = gl.cdiv(end - start, BLOCK_N)
-    rows_l: gl.constexpr = WORDS_ROWS if FP8 else COPY_ROWS
-    entry = _tile_entry(indices, row, start, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N)
     if FP8:
         KV32 = KV.to(gl.pointer_type(gl.int32), bitcast=True)
         k_lat_w_all = _as_words(k_lat_all, [2, BLOCK_N, D // 2], 128)
         k_rope_w_all = _as_words(k_rope_all, [2, BLOCK_N, D_ROPE // 2], 128)
-        words = _load_fp8_tile(KV32, KV_SCALE, entry, start, end, stride_kv_slot // 4,
+        words = _load_fp8_tile(KV32, KV_SCALE, indices, row, start, end, stride_kv_slot // 4,
                                stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
     else:
-        _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), entry, start, end,
+        _copy_tile(KV, k_lat_all.index(0), k_rope_all.index(0), indices, row, start, end,
                    stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
-    entry = _tile_entry(indices, row, start + BLOCK_N, end, rows_l, PAGE_SIZE, ENTRIES_PER_PAGE,
-                        BLOCK_N)  # fmt: skip
 
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
@@ -190,10 +184,9 @@ def _attend(
     if FP8:
         _store_fp8_tile(words, k_lat_w_all.index(0), k_rope_w_all.index(0), scales_all.index(0),
                         D)  # fmt: skip
-        words = _load_fp8_tile(KV32, KV_SCALE, entry, start + BLOCK_N, end, stride_kv_slot // 4,
-                               stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D, D_ROPE)  # fmt: skip
-        entry = _tile_entry(indices, row, start + 2 * BLOCK_N, end, rows_l, PAGE_SIZE,
-                            ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
+        words = _load_fp8_tile(KV32, KV_SCALE, indices, row, start + BLOCK_N, end,
+                               stride_kv_slot // 4, stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D,
+                               D_ROPE)  # fmt: skip
 
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_s)
     l_rows = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)  # the softmax's sums, unsummed
@@ -210,15 +203,9 @@ def _attend(
         # are done (so its buffer and p may be written)
         _barrier()
         if not FP8:
-            if ENTRIES_IN_PLACE:
-                entry = _tile_entry(indices, row, n0 + BLOCK_N, end, rows_l, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            _copy_tile(KV, k_lat_all.index(1 - buf), k_rope_all.index(1 - buf), entry,
+            _copy_tile(KV, k_lat_all.index(1 - buf), k_rope_all.index(1 - buf), indices, row,
                        n0 + BLOCK_N, end, stride_kv_slot, PAGE_SIZE, ENTRIES_PER_PAGE, D,
                        D_ROPE)  # fmt: skip
-            if not ENTRIES_IN_PLACE:
-                entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, rows_l, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
         k_lat_s = k_lat_all.index(buf)
         s = warpgroup_mma(q_lat_s, k_lat_s.permute((1, 0)),
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S), use_acc=False,
@@ -260,15 +247,9 @@ def _attend(
             # this tile's output product, then tile i + 2's words in flight
             _store_fp8_tile(words, k_lat_w_all.index(1 - buf), k_rope_w_all.index(1 - buf),
                             scales_all.index(1 - buf), D)  # fmt: skip
-            if ENTRIES_IN_PLACE:
-                entry = _tile_entry(indices, row, n0 + 2 * BLOCK_N, end, rows_l, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
-            words = _load_fp8_tile(KV32, KV_SCALE, entry, n0 + 2 * BLOCK_N, end,
+            words = _load_fp8_tile(KV32, KV_SCALE, indices, row, n0 + 2 * BLOCK_N, end,
                                    stride_kv_slot // 4, stride_s_slot, PAGE_SIZE, ENTRIES_PER_PAGE,
                                    D, D_ROPE)  # fmt: skip
-            if not ENTRIES_IN_PLACE:
-                entry = _tile_entry(indices, row, n0 + 3 * BLOCK_N, end, rows_l, PAGE_SIZE,
-                                    ENTRIES_PER_PAGE, BLOCK_N)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         m = m_new
         n0 += BLOCK_N
@@ -333,7 +314,6 @@ def mla_heads_kernel(
     FP8: gl.constexpr,
     D: gl.constexpr,
     D_ROPE: gl.constexpr,
-    ENTRIES_IN_PLACE: gl.constexpr = False,
 ):
     """Stage 1 over 64 heads a program, one program per (request, head block, split), 8 warps;
     ``FP8``: e4m3 pages with per-token scales."""
@@ -350,7 +330,7 @@ def mla_heads_kernel(
                                   sm_scale_log2e, num_heads, stride_qb, stride_qh,
                                   stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s, k_lat_all,
                                   k_rope_all, p_s, scales_all, PAGE_SIZE, ENTRIES_PER_PAGE,
-                                  FP8, D, D_ROPE, ENTRIES_IN_PLACE)  # fmt: skip
+                                  FP8, D, D_ROPE)  # fmt: skip
     _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
                    stride_ph, stride_ps, D)  # fmt: skip
 
@@ -385,7 +365,6 @@ def mla_heads_stream_kernel(
     FP8: gl.constexpr,
     D: gl.constexpr,
     D_ROPE: gl.constexpr,
-    ENTRIES_IN_PLACE: gl.constexpr = False,
 ):
     """``mla_heads_kernel`` on the stream schedule (``mla_stream``): program ``(p, hb)`` runs
     head block ``hb`` over run ``p`` of the batch's tiles, piece after piece; a whole request's
@@ -408,8 +387,7 @@ def mla_heads_stream_kernel(
                                       sm_scale_log2e, num_heads, stride_qb, stride_qh,
                                       stride_kv_slot, stride_s_slot, q_lat_s, q_rope_s,
                                       k_lat_all, k_rope_all, p_s, scales_all, PAGE_SIZE,
-                                      ENTRIES_PER_PAGE, FP8, D, D_ROPE,
-                                      ENTRIES_IN_PLACE)  # fmt: skip
+                                      ENTRIES_PER_PAGE, FP8, D, D_ROPE)  # fmt: skip
         if (first >= lo) & (last <= hi):
             ho, dims = _out_rows(hb, D)
             o = acc * gl.convert_layout(acc_unit / l, gl.SliceLayout(1, MMA_O))[:, None]

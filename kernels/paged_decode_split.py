@@ -81,9 +81,6 @@ class DecodeConfig:
     # M on Hopper (mla_decode_heads.py); under the interpreter and off Hopper, the Triton
     # 64-heads kernel (MLA_HEADS_TRITON) runs instead
     heads_m: bool = False
-    # ... each tile's page-table entries loaded just before its loads (the first version), not
-    # a tile ahead
-    heads_entries_in_place: bool = False
     # the split plans' fewest tiles a split and most splits a request: fewer tiles a split give
     # short contexts more programs (a shorter chain of tiles in each), more splits a longer
     # stage 2
@@ -1185,8 +1182,7 @@ def paged_decode(
             )
     elif v_from_k and cfg.heads_m:
         mla_heads_kernel[(programs, splits)](
-            ENTRIES_IN_PLACE=cfg.heads_entries_in_place,
-            **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N"),
+            **mla, **shared_but("INTERPRETED", "num_stages", "BLOCK_H", "BLOCK_N")
         )
     elif v_from_k and cfg.latent_quarters and dim >= 64:
         kernel = _mla_tokens_m_kernel if cfg.tokens_as_m else _mla_kernel
@@ -1283,9 +1279,7 @@ def _stream_decode(
         "D_ROPE": rope_dim, "num_warps": cfg.num_warps, **lens, **parts,
     }  # fmt: skip
     if cfg.heads_m:  # its tile sizes are the kernel's own constants
-        mla_heads_stream_kernel[(programs, head_blocks)](
-            FP8=kv_scale is not None, ENTRIES_IN_PLACE=cfg.heads_entries_in_place, **stage_one
-        )
+        mla_heads_stream_kernel[(programs, head_blocks)](FP8=kv_scale is not None, **stage_one)
     else:
         mla_fp8_e4m3_stream_kernel[(programs, head_blocks)](
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ONLY=cfg.only, **stage_one
