@@ -102,13 +102,15 @@ def compile_cubin(
     return kernel.asm["cubin"]
 
 
-def compile_wgmma_cubin(bm: int, group: int, split: bool = False) -> tuple[bytes, int]:
+def compile_wgmma_cubin(
+    bm: int, group: int, split: bool = False, stages: int = 4
+) -> tuple[bytes, int]:
     """The Gluon kernel (``w4a16_wgmma.py``) for ``bm`` tokens a tile: its cubin and shared
     memory in bytes."""
     fn, sig = w4a16_wgmma_kernel, dict(WGMMA_SIGNATURE)
     if split:
         sig["out_ptr"] = "*fp32"
-    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": 4}
+    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": stages}
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
@@ -118,13 +120,13 @@ def compile_wgmma_cubin(bm: int, group: int, split: bool = False) -> tuple[bytes
     return kernel.asm["cubin"], kernel.metadata.shared
 
 
-def wgmma_report(bm: int, group: int, split: bool = False) -> dict:
+def wgmma_report(bm: int, group: int, split: bool = False, stages: int = 4) -> dict:
     """The Gluon kernel's registers and stack, shared memory and K-loop opcodes (the loop with
     the warpgroup MMAs), for ``tests/kernels/test_w4a16_wgmma_compile.py``."""
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}.cubin"
-    data, shared = compile_wgmma_cubin(bm, group, split)
+    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}.cubin"
+    data, shared = compile_wgmma_cubin(bm, group, split, stages)
     cubin.write_bytes(data)
     return {"resources": resources(cubin), "shared": shared,
             "loop": dict(loop_opcodes(cubin, innermost_with="HGMMA"))}  # fmt: skip

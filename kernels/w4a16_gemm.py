@@ -593,8 +593,9 @@ def _w4a16_dequant_kernel(
 class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
     (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused), ``"wgmma"``
-    (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns;
-    split K always adds into a zeroed fp32 output, no dependent launch) or
+    (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns,
+    ``num_stages`` slots in its ring of words; split K always adds into a zeroed fp32 output,
+    no dependent launch) or
     ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
@@ -706,8 +707,9 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
         return []
     bm = max(8, _m_bucket(m))
     tiles = triton.cdiv(w.n, BLOCK_N.value)
-    return [GemmConfig("wgmma", bm, BLOCK_N.value, STEP.value, s, 4, counted=False, pdl=0)
-            for s in _split_counts(tiles)]  # fmt: skip
+    return [GemmConfig("wgmma", bm, BLOCK_N.value, STEP.value, s, 4, stages, counted=False,
+                       pdl=0)
+            for s in _split_counts(tiles) for stages in (4, 8)]  # fmt: skip
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
@@ -776,7 +778,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         w4a16_wgmma_kernel[grid](
             x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-            GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, num_warps=cfg.num_warps,
+            GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
         return out.to(torch.bfloat16)
     split = cfg.split_k > 1

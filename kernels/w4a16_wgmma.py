@@ -136,8 +136,8 @@ def w4a16_wgmma_kernel(
     GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr = 4,
 ):  # fmt: skip
     """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one ``[BM tokens, 64 columns]`` tile and
-    one of ``split_k`` K parts; 4 warps. ``out`` is bf16, or with ``SPLIT`` a zeroed fp32
-    buffer the parts add into."""
+    one of ``split_k`` K parts; 4 warps, ``STAGES`` slots of words in flight. ``out`` is bf16,
+    or with ``SPLIT`` a zeroed fp32 buffer the parts add into."""
     ONE_GROUP: gl.constexpr = GROUP % STEP == 0
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BM, 16])  # fmt: skip

@@ -21,12 +21,12 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.mark.parametrize("bm", [8, 64])
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("split", [False, True])
-def test_wgmma_gemm_builds_with_register_weights(bm, group, split):
+@pytest.mark.parametrize(("split", "stages"), [(False, 4), (True, 8)])
+def test_wgmma_gemm_builds_with_register_weights(bm, group, split, stages):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     program = (f"import json, sys; sys.path.insert(0, {str(BENCH)!r}); "
                f"from w4a16_sass import wgmma_report; "
-               f"print(json.dumps(wgmma_report({bm}, {group}, {split})))")  # fmt: skip
+               f"print(json.dumps(wgmma_report({bm}, {group}, {split}, {stages})))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
