@@ -249,7 +249,7 @@ def _short(cfg) -> str:
     if path == "gemv":
         return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path == "wgmma":
-        return (f"wgmma{cfg.block_m}s{cfg.num_stages}"
+        return (f"wgmma{cfg.block_m}x{cfg.block_n}s{cfg.num_stages}"
                 + (f"k{cfg.split_k}" if cfg.split_k > 1 else ""))
     if path != "triton":
         return path

@@ -103,7 +103,7 @@ def compile_cubin(
 
 
 def compile_wgmma_cubin(
-    bm: int, group: int, split: bool = False, stages: int = 4
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
 ) -> tuple[bytes, int]:
     """The Gluon kernel (``w4a16_wgmma.py``) for ``bm`` tokens a tile: its cubin and shared
     memory in bytes."""
@@ -116,17 +116,19 @@ def compile_wgmma_cubin(
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
     }
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return kernel.asm["cubin"], kernel.metadata.shared
 
 
-def wgmma_report(bm: int, group: int, split: bool = False, stages: int = 4) -> dict:
+def wgmma_report(
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
+) -> dict:
     """The Gluon kernel's registers and stack, shared memory and K-loop opcodes (the loop with
     the warpgroup MMAs), for ``tests/kernels/test_w4a16_wgmma_compile.py``."""
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}.cubin"
-    data, shared = compile_wgmma_cubin(bm, group, split, stages)
+    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}_{warps}.cubin"
+    data, shared = compile_wgmma_cubin(bm, group, split, stages, warps)
     cubin.write_bytes(data)
     return {"resources": resources(cubin), "shared": shared,
             "loop": dict(loop_opcodes(cubin, innermost_with="HGMMA"))}  # fmt: skip
@@ -176,13 +178,14 @@ def main() -> None:
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] or CONFIGS
     if args.wgmma:
-        for bm, _, group, *_ in configs:
-            built = wgmma_report(bm, group)
+        for bm, _, group, warps, *_ in configs:
+            built = wgmma_report(bm, group, warps=warps)
             total = sum(built["loop"].values())
             loop = collections.Counter(built["loop"])
             top = ", ".join(f"{op} {n}" for op, n in loop.most_common(10))
-            print(f"wgmma BM={bm:3d} g{group:<3d}: {built['resources']}, shared {built['shared']}, "
-                  f"K loop {total} instr = {total / (64 * 128 // 128):.1f} per weight per thread; "
+            print(f"wgmma BM={bm:3d} g{group:<3d} warps={warps}: {built['resources']}, "
+                  f"shared {built['shared']}, K loop {total} instr = "
+                  f"{total / (64 * 128 // 128):.1f} per weight per thread; "
                   f"{top}", flush=True)  # fmt: skip
         return
     scratch = Path.home() / ".cache" / "tessera" / "sass"

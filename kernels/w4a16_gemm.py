@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .w4a16_format import PACK, W4A16Weight, dequantize
 from .w4a16_layout import plane_ptx
-from .w4a16_wgmma import BLOCK_N, STEP, w4a16_wgmma_kernel
+from .w4a16_wgmma import STEP, WG_COLUMNS, w4a16_wgmma_kernel
 
 __all__ = [
     "GemmConfig",
@@ -593,9 +593,9 @@ def _w4a16_dequant_kernel(
 class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
     (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused), ``"wgmma"``
-    (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns,
-    ``num_stages`` slots in its ring of words; split K always adds into a zeroed fp32 output,
-    no dependent launch) or
+    (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns a
+    warpgroup, ``num_stages`` slots in its ring of words; split K always adds into a zeroed
+    fp32 output, no dependent launch) or
     ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
@@ -695,8 +695,9 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
 
 def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     """The Gluon kernel's tiles where it runs (sm_90, symmetric codes, bf16 scales, K a
-    multiple of its step, up to 64 tokens): one token tile of the M bucket's size (from 8),
-    each with the split counts of its tile count."""
+    multiple of its step, up to 64 tokens): one token tile of the M bucket's size (from 8); one
+    warpgroup with a ring of 4 or 8 slots, or from 16 tokens two sharing the activations; each
+    with the split counts of its tile count."""
     m = x.shape[0]
     runs = (
         not interpreted() and m <= 64 and w.zeros is None and w.scales.dtype == torch.bfloat16
@@ -706,10 +707,13 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     if not runs:
         return []
     bm = max(8, _m_bucket(m))
-    tiles = triton.cdiv(w.n, BLOCK_N.value)
-    return [GemmConfig("wgmma", bm, BLOCK_N.value, STEP.value, s, 4, stages, counted=False,
-                       pdl=0)
-            for s in _split_counts(tiles) for stages in (4, 8)]  # fmt: skip
+    out = []
+    for warps, stages in ((4, 4), (4, 8), (8, 4)) if bm >= 16 else ((4, 4), (4, 8)):
+        bn = WG_COLUMNS.value * warps // 4
+        for s in _split_counts(triton.cdiv(w.n, bn)):
+            out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages, counted=False,
+                                  pdl=0))  # fmt: skip
+    return out
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:

@@ -40,7 +40,7 @@ from .w4a16_layout import plane_ptx
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-BLOCK_N = gl.constexpr(64)  # output columns a program: one warpgroup MMA's M
+WG_COLUMNS = gl.constexpr(64)  # output columns a warpgroup: its MMA's M
 STEP = gl.constexpr(128)  # inputs a K step: 16 word rows, eight 16-row planes
 
 
@@ -50,10 +50,11 @@ _NEG_ZERO_SYMMETRIC = gl.constexpr(-136.0)  # -(128 + 8)
 
 
 @gluon.jit
-def _copy_words(qw_ptr, slot, step, n0, N, stride_qk):
+def _copy_words(qw_ptr, slot, step, n0, N, stride_qk, BLOCK_N: gl.constexpr,
+                WARPS: gl.constexpr):  # fmt: skip
     """Start copying the ``[16, BLOCK_N]`` words of K step ``step`` into ring slot ``slot``
     (``cp.async``, 16 bytes a thread and copy; one commit group)."""
-    copy_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])
     rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(1, copy_l))
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, copy_l))
     _async_load(slot, qw_ptr + rows[:, None] * stride_qk + cols[None, :],
@@ -62,8 +63,10 @@ def _copy_words(qw_ptr, slot, step, n0, N, stride_qk):
 
 
 @gluon.jit
-def _step_group_scales(s_ptr, step, n0, N, stride_sk, GROUP: gl.constexpr, a_l: gl.constexpr):
-    """Groups smaller than a step: each weight's scale, shaped like ``_step_words``."""
+def _step_group_scales(s_ptr, step, n0, N, stride_sk, GROUP: gl.constexpr,
+                       BLOCK_N: gl.constexpr, a_l: gl.constexpr):  # fmt: skip
+    """Groups smaller than a step: each weight's scale, ``[BLOCK_N, 16]`` (column, word row)
+    in the A operand's layout."""
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
     rows = step * (STEP // 8) + gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, a_l))
     ptrs = s_ptr + (rows // (GROUP // 8))[None, :] * stride_sk + cols[:, None]
@@ -135,17 +138,21 @@ def w4a16_wgmma_kernel(
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr = 4,
 ):  # fmt: skip
-    """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one ``[BM tokens, 64 columns]`` tile and
-    one of ``split_k`` K parts; 4 warps, ``STAGES`` slots of words in flight. ``out`` is bf16,
-    or with ``SPLIT`` a zeroed fp32 buffer the parts add into."""
+    """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one tile of ``BM`` tokens and 64 columns
+    a warpgroup (``num_warps`` 4 or 8: the warpgroups share the activations' staging) and one of
+    ``split_k`` K parts; ``STAGES`` slots of words in flight. ``out`` is bf16, or with
+    ``SPLIT`` a zeroed fp32 buffer the parts add into."""
     ONE_GROUP: gl.constexpr = GROUP % STEP == 0
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    WARPS: gl.constexpr = gl.num_warps()
+    WG: gl.constexpr = WARPS // 4
+    BLOCK_N: gl.constexpr = WG * WG_COLUMNS
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BM, 16])  # fmt: skip
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    # the activations: BM / 8 word rows of one token a thread (contiguous bytes), so each
-    # plane's store is BM / 4 bytes a thread
-    x_l: gl.constexpr = gl.BlockedLayout([1, BM // 8, 8], [BM // 4, 128 // BM, 1], [4, 1, 1],
-                                         [2, 1, 0])  # fmt: skip
+    # the activations: BM / 8 WG word rows of one token a thread (contiguous bytes), so each
+    # plane's store is BM / 4 WG bytes a thread
+    x_l: gl.constexpr = gl.BlockedLayout([1, BM // (8 * WG), 8], [BM // 4, 128 // BM, 1],
+                                         [4, WG, 1], [2, 1, 0])  # fmt: skip
     xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, STEP // 8], gl.bfloat16)
     col_l: gl.constexpr = gl.SliceLayout(1, acc_l)
 
@@ -170,13 +177,14 @@ def w4a16_wgmma_kernel(
     # copies land unused, and every step commits one group
     first = gl.minimum(begin, steps - 1)
     for p in gl.static_range(STAGES - 1):
-        _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk)
+        _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk,
+                    BLOCK_N, WARPS)  # fmt: skip
     x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
     if ONE_GROUP:
         scale = gl.load(s_ptr + (first * STEP // GROUP) * stride_sk + cols, mask=cols < N,
                         other=0.0)  # fmt: skip
     else:
-        scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, a_l)
+        scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
     for step in range(begin, end):
         it = step - begin
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this step's words
@@ -186,7 +194,8 @@ def w4a16_wgmma_kernel(
         # the slot read last step (every thread is past it) takes the words STAGES - 1 ahead;
         # the next step's scales and activations are in flight through this step's MMAs
         _copy_words(qw_ptr, w_ring.index((it + STAGES - 1) % STAGES),
-                    gl.minimum(step + STAGES - 1, end - 1), n0, N, stride_qk)  # fmt: skip
+                    gl.minimum(step + STAGES - 1, end - 1), n0, N, stride_qk, BLOCK_N,
+                    WARPS)  # fmt: skip
         nxt = gl.minimum(step + 1, end - 1)
         next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
         if ONE_GROUP:
@@ -196,7 +205,7 @@ def w4a16_wgmma_kernel(
             part = warpgroup_mma_wait(0, deps=(part,))
             acc += part * scale.to(gl.float32)[:, None]
         else:
-            next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, a_l)
+            next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
             acc = _planes_product(words, neg_zero, scale, xs_all, base, acc, True, False)
             acc = warpgroup_mma_wait(0, deps=(acc,))
         x, scale = next_x, next_scale

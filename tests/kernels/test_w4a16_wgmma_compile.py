@@ -19,20 +19,20 @@ SM90_SHARED_PER_BLOCK = 232_448
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("bm", [8, 64])
+@pytest.mark.parametrize(("bm", "warps"), [(8, 4), (64, 4), (16, 8), (64, 8)])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize(("split", "stages"), [(False, 4), (True, 8)])
-def test_wgmma_gemm_builds_with_register_weights(bm, group, split, stages):
+def test_wgmma_gemm_builds_with_register_weights(bm, warps, group, split, stages):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    call = f"wgmma_report({bm}, {group}, {split}, {stages}, {warps})"
     program = (f"import json, sys; sys.path.insert(0, {str(BENCH)!r}); "
-               f"from w4a16_sass import wgmma_report; "
-               f"print(json.dumps(wgmma_report({bm}, {group}, {split}, {stages})))")  # fmt: skip
+               f"from w4a16_sass import wgmma_report; print(json.dumps({call}))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
     loop = built["loop"]
-    assert loop.get("HGMMA") == 8, built  # eight planes a K step
+    assert loop.get("HGMMA") == 8, built  # eight planes a K step (a warpgroup's own)
     assert loop.get("STS") == 8, built  # the activation planes only: no decoded weights
     assert "STACK:0" in built["resources"] and not loop.get("STL"), built
     assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
