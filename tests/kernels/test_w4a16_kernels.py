@@ -578,14 +578,18 @@ hopper = pytest.mark.skipif(
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_wgmma_gemm_matches_reference(m, group, split_k):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_wgmma_gemm_matches_reference(m, group, split_k, warps):
     """The Gluon warpgroup-MMA kernel: token tiles of 8 to 64 (M = 5 and 33 padded), N not a
-    multiple of its 64 columns, per-weight scales (groups 32, 64) and per-step ones (128), K
-    split unevenly (8 steps in 3 parts)."""
+    multiple of its 64 or 128 columns, per-weight scales (groups 32, 64) and per-step ones
+    (128), K split unevenly (8 steps in 3 parts), one warpgroup or two."""
+    bm = max(8, gemm_module._m_bucket(m))
+    if warps == 8 and bm < 16:
+        pytest.skip("two warpgroups take 16 tokens or more")
     n, k = 200, 1024
     w = make_weight((n, k), group, True, seed=group + m)
     x = make_x(m, k, seed=m)
-    cfg = GemmConfig("wgmma", max(8, gemm_module._m_bucket(m)), 64, 128, split_k, 4,
+    cfg = GemmConfig("wgmma", bm, 64 * warps // 4, 128, split_k, warps, 8 if split_k > 1 else 4,
                      counted=False, pdl=0)  # fmt: skip
     out = w4a16_matmul(x, w, cfg)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
