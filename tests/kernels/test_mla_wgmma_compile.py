@@ -112,16 +112,23 @@ def test_gluon_heads_stream_kernel_fits_its_largest_batch(fp8):
     assert built["tile_loop"].get("HGMMA") == 40, built
 
 
-def _report(call: str) -> dict:
-    """``bench/mla_sass.py``'s report on a build (a child process without the interpreter),
-    checked for wgmma and an SM's shared memory."""
+def offline_build(script: str, call: str) -> dict:
+    """The JSON of ``call`` (a report function of ``bench/<script>.py`` on a build for sm_90),
+    run in a child process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    function = call.split("(")[0]
     program = (f"import json, sys; sys.path.insert(0, {str(BENCH)!r}); "
-               f"from mla_sass import gluon_report; print(json.dumps({call}))")  # fmt: skip
+               f"from {script} import {function}; print(json.dumps({call}))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _report(call: str) -> dict:
+    """``bench/mla_sass.py``'s report on a build, checked for wgmma and an SM's shared
+    memory."""
+    built = offline_build("mla_sass", call)
     assert built["wgmma"], built
     assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
     return built

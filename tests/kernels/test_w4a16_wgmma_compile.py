@@ -7,30 +7,15 @@ GPU (test_w4a16_kernels.py).
 Gluon does not build under Triton's interpreter, which the CPU test session switches on, so
 ``bench/w4a16_sass.py``'s report runs in a child process without it."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-SM90_SHARED_PER_BLOCK = 232_448
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from test_mla_wgmma_compile import SM90_SHARED_PER_BLOCK, offline_build
 
 
 @pytest.mark.parametrize(("bm", "warps"), [(8, 4), (64, 4), (16, 8), (64, 8)])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize(("split", "stages"), [(False, 4), (True, 8)])
 def test_wgmma_gemm_builds_with_register_weights(bm, warps, group, split, stages):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    call = f"wgmma_report({bm}, {group}, {split}, {stages}, {warps})"
-    program = (f"import json, sys; sys.path.insert(0, {str(BENCH)!r}); "
-               f"from w4a16_sass import wgmma_report; print(json.dumps({call}))")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    built = offline_build("w4a16_sass", f"wgmma_report({bm}, {group}, {split}, {stages}, {warps})")
     loop = built["loop"]
     assert loop.get("HGMMA") == 8, built  # eight planes a K step (a warpgroup's own)
     assert loop.get("STS") == 8, built  # the activation planes only: no decoded weights
