@@ -21,9 +21,11 @@ counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small
 Split K gives small N enough programs to fill the GPU. At one token the splits meet inside the
 launch, in a workspace that every launch leaves zero (:func:`counted_workspace`), so a split call
 is one launch; from two tokens they may instead add into a zeroed fp32 output that is cast
-afterwards (three launches, fewer atomics: the tuner measures both up to 16). For large M the
-launcher can instead dequantize to bf16 once and call cuBLAS; which path and tile to use is
-measured once per (M bucket, N, K, group, zeros, device) and cached (:func:`w4a16_matmul`).
+afterwards (three launches, fewer atomics: the tuner measures both up to 16). On Hopper, up to
+64 tokens, the tuner also times the Gluon warpgroup-MMA kernel of ``w4a16_wgmma.py`` (each
+weight decoded once for the whole token tile). For large M the launcher can instead dequantize
+to bf16 once and call cuBLAS; which path and tile to use is measured once per (M bucket, N, K,
+group, zeros, scale dtype, device) and cached (:func:`w4a16_matmul`).
 """
 
 from __future__ import annotations
