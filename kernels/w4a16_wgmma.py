@@ -1,26 +1,29 @@
-"""INT4 weight x BF16 activation GEMM for 16 to 64 tokens on Hopper's warpgroup MMA, in Gluon:
-each weight decoded once, in the registers the MMA reads it from.
+"""INT4 weight x BF16 activation GEMM for up to 64 tokens on Hopper's warpgroup MMA, in Gluon:
+each weight decoded once for the whole token tile, in the registers the MMA reads it from.
 
 The Triton GEMM (``w4a16_gemm.py``) leaves the decoded weights' layout to the compiler; from 16
 tokens its tiles decode each weight once per 8-token tile, or hand ``wgmma`` a register
 operand that Triton first moves through shared memory, and at 64 tokens it took twice
 Marlin's time. Here the layout is chosen: the weights are the MMA's A operand (``acc^T = W
-x^T``, 64 output columns as M, the tokens as N), and each thread loads exactly the packed words
-whose nibbles its A registers hold.
+x^T``, 64 output columns a warpgroup as M, a tile of 8 to 64 tokens as N), and each thread
+reads exactly the packed words whose nibbles its A registers hold.
 
 For nibble plane ``i`` of a K step of 128 inputs (16 word rows ``r``, ``k = 8 r + i``), the A
 operand is ``[64 columns, 16 rows]``; with ``k_width = 2`` a thread's register holds two
 neighbouring rows ``(2 t, 2 t + 1)`` of one column, which is what one ``prmt`` of those two
 words gives (``w4a16_layout.plane_ptx``). So one thread's eight words of a step (rows ``2 t``,
-``2 t + 1``, ``2 t + 8``, ``2 t + 9`` of two columns) feed all eight planes' MMAs, with no
-shuffle and no shared memory. The activations are the B operand: each step's ``[tokens, 128]``
-slice goes to shared memory plane by plane (``x[:, i::8]``), a step ahead.
+``2 t + 1``, ``2 t + 8``, ``2 t + 9`` of two columns) feed all eight planes' MMAs with no
+shuffle, and no decoded weight passes through shared memory. The packed words arrive through
+a ``cp.async`` ring of ``STAGES`` slots; the activations are the B operand, each step's
+``[tokens, 128]`` slice stored plane by plane (``x[:, i::8]``) a step ahead and shared by the
+program's one or two warpgroups.
 
 Scales: with a group of 128 or more the planes decode to ``code - zero`` and the scale
-multiplies the step's ``[64, tokens]`` partial sum; with smaller groups each weight decodes to
-``(code - zero) * scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate
-across steps. Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K
-adds fp32 partial sums into a zeroed output (the caller casts it).
+multiplies the step's partial sum; with smaller groups each weight decodes to ``(code - zero)
+* scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps.
+Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K adds fp32
+partial sums into a zeroed output (the caller casts it). Timed against the Triton tiles and
+Marlin in docs/kernels-int4.md (v11).
 """
 
 from __future__ import annotations
