@@ -777,9 +777,10 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         return x @ w4a16_dequantize(w)
     if cfg.path == "wgmma":
         split = cfg.split_k > 1
-        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
         if split:
             out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+        else:
+            out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
         w4a16_wgmma_kernel[grid](
             x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
@@ -866,9 +867,10 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     return sorted(times)[len(times) // 2]
 
 
-def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
+def tune_cached(key: tuple, candidates: Callable[[], list], run: Callable) -> object:
     """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key
-    (candidates that fail to compile, e.g. out of shared memory, are skipped)."""
+    (candidates that fail to compile, e.g. out of shared memory, are skipped); ``candidates()``
+    lists them, called only when the key is new (not on every decode call)."""
     if key not in _TUNED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -876,6 +878,7 @@ def tune_cached(key: tuple, candidates: list, run: Callable) -> object:
                 "shape once before capturing (or pass a config)"
             )
         times = {}
+        candidates = candidates()
         for c in candidates:
             try:
                 times[c] = _graph_time(lambda c=c: run(c))
@@ -914,8 +917,8 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
         m = x.shape[0]
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                w.scales.dtype, torch.cuda.get_device_name(x.device))  # fmt: skip
-        candidates = _candidates(m, w.n, w.k) + _wgmma_candidates(x, w)
-        config = tune_cached(key, candidates, lambda c: _run(x, w, c))
+        config = tune_cached(key, lambda: _candidates(m, w.n, w.k) + _wgmma_candidates(x, w),
+                             lambda c: _run(x, w, c))  # fmt: skip
     return _run(x, w, config)
 
 

@@ -604,7 +604,7 @@ def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig
     tiles = _candidates(num_pairs, num_experts)
     int4 = kind == "int4"
     return _tune_stages(
-        lambda stage, cfg_pairs: tune_cached((stage, *shape), cfg_pairs, run),
+        lambda stage, cfg_pairs: tune_cached((stage, *shape), lambda: cfg_pairs, run),
         _candidates(num_pairs, num_experts, _num_columns(w13), int4),
         _candidates(num_pairs, num_experts, _num_columns(w2), int4),
         mid=tiles[len(tiles) // 2],
