@@ -49,7 +49,6 @@ from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import (
     _TUNED,
-    WGMMA_FORMS,
     _candidates,
     _graph_time,
     _m_bucket,
@@ -62,7 +61,6 @@ from tessera.kernels.w4a16_moe import (
     fused_moe_reference,
     moe_gemm,
 )
-from tessera.kernels.w4a16_wgmma import x_planes
 from timing import graph_time_us
 
 L2_BYTES = 60 * 2**20
@@ -184,24 +182,14 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             twin["int4_other_split_us"] = graph_time_us(
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
-        # the Gluon kernel's tiles (Hopper), whatever the tuner picked: its best, side by side,
-        # and the best of each of its forms (x_planes includes the permuting copy, also timed)
-        wgmma, forms = {}, {}
-        for cfg in _wgmma_candidates(xs[0], ws[0], WGMMA_FORMS):
+        # the Gluon kernel's tiles (Hopper), whatever the tuner picked: its best, side by side
+        wgmma = {}
+        for cfg in _wgmma_candidates(xs[0], ws[0]):
             t = graph_time_us(lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c),
                               sets)  # fmt: skip
-            form = ("x_planes" if cfg.x_planes else "") + ("overlap" if cfg.overlap else "")
-            if t < forms.get(form or "base", (float("inf"),))[0]:
-                forms[form or "base"] = (t, _short(cfg))
             if t < wgmma.get("wgmma_us", float("inf")):
                 wgmma = {"wgmma_us": t, "wgmma_config": _short(cfg),
                          "wgmma_rel_l2_vs_fp32": rel_l2(w4a16_matmul(xs[0], ws[0], cfg), ref)}
-        if forms:
-            wgmma["wgmma_forms_us"] = forms
-            wgmma["x_planes_copy_us"] = graph_time_us(lambda i, xs=xs: x_planes(xs[i % 4]), 4)
-            print(f"  M={m} wgmma forms (us): "
-                  + ", ".join(f"{f} {t:.1f} ({c})" for f, (t, c) in forms.items())
-                  + f"; plane copy {wgmma['x_planes_copy_us']:.1f}", flush=True)
         per_config, tuner = {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k) + _wgmma_candidates(xs[0], ws[0]):
@@ -262,7 +250,6 @@ def _short(cfg) -> str:
         return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path == "wgmma":
         return (f"wgmma{cfg.block_m}x{cfg.block_n}s{cfg.num_stages}"
-                + ("x" if cfg.x_planes else "") + ("o" if cfg.overlap else "")
                 + (f"k{cfg.split_k}" if cfg.split_k > 1 else ""))
     if path != "triton":
         return path

@@ -15,7 +15,9 @@ by the group-32 decode. With ``--marlin DIR`` (``sglang_jit_build.py``'s modules
 routed experts (384, top 8, group 32), the whole forward by ours (``fused_moe`` as tuned) and by
 SGLang's Marlin MoE on the same weights repacked, at 1 token and 2 and 4 rows an expert, the
 sizes where Marlin's is the faster (docs/kernels-int4.md): each forward's CUDA-graph time
-printed, then every launch of both profiled.
+printed, then every launch of both profiled. With ``--wgmma DIR``: 64 tokens on 16384 x 7168
+(group 128) and 4608 x 7168 (group 32), the Gluon warpgroup-MMA kernel's fastest tile and
+Marlin's GEMM on the same weights repacked, each call's CUDA-graph time printed.
 Compilation, tuning and a warm-up run happen before the profiler starts.
 """
 
@@ -26,7 +28,14 @@ from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels.w4a16_gemm import _TUNED, GemmConfig, _m_bucket, w4a16_matmul
+from tessera.kernels.w4a16_gemm import (
+    _TUNED,
+    GemmConfig,
+    _m_bucket,
+    _wgmma_candidates,
+    tune_cached,
+    w4a16_matmul,
+)
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, fused_moe, moe_gemm
 from timing import graph_time_us
 from w4a16_bench import SLICE_LINEARS, routings, tokens_for_rows
@@ -111,7 +120,35 @@ def profile_moe_against_marlin(folder: Path) -> None:
     profile_once(calls)
 
 
+def wgmma_and_marlin_calls(marlin, n: int, k: int, group: int) -> list:
+    """The Gluon kernel's fastest tile and Marlin at 64 tokens on one shape, timed."""
+    ws = [random_int4((), n, k, group) for _ in range(2)]
+    repacked = [marlin.from_ours(w) for w in ws]
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
+    cfg = tune_cached(("wgmma profile", n, k), lambda: _wgmma_candidates(x, ws[0]),
+                      lambda c: w4a16_matmul(x, ws[0], c))  # fmt: skip
+    t_ours = graph_time_us(lambda i: w4a16_matmul(x, ws[i], cfg), len(ws))
+    t_marlin = graph_time_us(lambda i: marlin.gemm(x, *repacked[i], out), len(ws))
+    print(f"N {n} K {k} g{group} M 64: wgmma {t_ours:6.1f} us ({cfg}), Marlin "
+          f"{t_marlin:6.1f} us", flush=True)  # fmt: skip
+    return [lambda: w4a16_matmul(x, ws[0], cfg), lambda: marlin.gemm(x, *repacked[0], out)]
+
+
+def profile_wgmma_against_marlin(folder: Path) -> None:
+    from marlin import Marlin
+
+    marlin = Marlin(folder)
+    calls = []
+    for n, k, group in ((16384, 7168, 128), (4608, 7168, 32)):
+        calls += wgmma_and_marlin_calls(marlin, n, k, group)
+    profile_once(calls)
+
+
 def main() -> None:
+    if "--wgmma" in sys.argv:
+        profile_wgmma_against_marlin(Path(sys.argv[sys.argv.index("--wgmma") + 1]))
+        return
     if "--marlin" in sys.argv:
         profile_moe_against_marlin(Path(sys.argv[sys.argv.index("--marlin") + 1]))
         return

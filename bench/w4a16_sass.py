@@ -103,16 +103,14 @@ def compile_cubin(
 
 
 def compile_wgmma_cubin(
-    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4,
-    x_planes: bool = False, overlap: bool = False,
-) -> tuple[bytes, int]:  # fmt: skip
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
+) -> tuple[bytes, int]:
     """The Gluon kernel (``w4a16_wgmma.py``) for ``bm`` tokens a tile: its cubin and shared
     memory in bytes."""
     fn, sig = w4a16_wgmma_kernel, dict(WGMMA_SIGNATURE)
     if split:
         sig["out_ptr"] = "*fp32"
-    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": stages,
-                  "X_PLANES": x_planes, "OVERLAP": overlap}  # fmt: skip
+    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": stages}
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
@@ -123,16 +121,14 @@ def compile_wgmma_cubin(
 
 
 def wgmma_report(
-    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4,
-    x_planes: bool = False, overlap: bool = False,
-) -> dict:  # fmt: skip
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
+) -> dict:
     """The Gluon kernel's registers and stack, shared memory and K-loop opcodes (the loop with
     the warpgroup MMAs), for ``tests/kernels/test_w4a16_wgmma_compile.py``."""
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    form = f"{int(split)}_{stages}_{warps}_{int(x_planes)}_{int(overlap)}"
-    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{form}.cubin"
-    data, shared = compile_wgmma_cubin(bm, group, split, stages, warps, x_planes, overlap)
+    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}_{warps}.cubin"
+    data, shared = compile_wgmma_cubin(bm, group, split, stages, warps)
     cubin.write_bytes(data)
     return {"resources": resources(cubin), "shared": shared,
             "loop": dict(loop_opcodes(cubin, innermost_with="HGMMA"))}  # fmt: skip

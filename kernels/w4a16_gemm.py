@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .w4a16_format import PACK, W4A16Weight, dequantize
 from .w4a16_layout import plane_ptx
-from .w4a16_wgmma import STEP, WG_COLUMNS, w4a16_wgmma_kernel, x_planes
+from .w4a16_wgmma import STEP, WG_COLUMNS, w4a16_wgmma_kernel
 
 __all__ = [
     "GemmConfig",
@@ -617,11 +617,6 @@ class GemmConfig:
     # The decode slice's seven dense linears at one token: 1 took 0.94x the time of 0, 2 1.15x
     # (bench/results/w4a16_pdl.json): 1 by default
     pdl: int = 1
-    # the Gluon kernel ("wgmma") only: activations permuted to plane order by a copy before the
-    # launch, so they reach shared memory by cp.async with the words (no register staging);
-    # one step's MMAs left running while the next step is decoded
-    x_planes: bool = False
-    overlap: bool = False
 
 
 _TUNED: dict[tuple, object] = {}
@@ -700,11 +695,7 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     return out
 
 
-WGMMA_FORMS = ((False, False), (True, False), (False, True), (True, True))  # x_planes, overlap
-
-
-def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight,
-                      forms=((False, False),)) -> list[GemmConfig]:  # fmt: skip
+def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     """The Gluon kernel's tiles where it runs (sm_90, symmetric codes, bf16 scales, K a
     multiple of its step, up to 64 tokens): one token tile of the M bucket's size (from 8); one
     warpgroup with a ring of 4 or 8 slots, or from 16 tokens two sharing the activations; each
@@ -722,10 +713,8 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight,
     for warps, stages in ((4, 4), (4, 8), (8, 4)) if bm >= 16 else ((4, 4), (4, 8)):
         bn = WG_COLUMNS.value * warps // 4
         for s in _split_counts(triton.cdiv(w.n, bn)):
-            for planes, overlap in forms:
-                out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages,
-                                      counted=False, pdl=0, x_planes=planes,
-                                      overlap=overlap))  # fmt: skip
+            out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages, counted=False,
+                                  pdl=0))  # fmt: skip
     return out
 
 
@@ -793,12 +782,11 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         else:
             out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
-        xk = x_planes(x) if cfg.x_planes else x
         w4a16_wgmma_kernel[grid](
-            xk, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
-            xk.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+            x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
             GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, STAGES=cfg.num_stages,
-            X_PLANES=cfg.x_planes, OVERLAP=cfg.overlap, num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
         return out.to(torch.bfloat16)
     split = cfg.split_k > 1

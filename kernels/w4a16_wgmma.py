@@ -20,7 +20,8 @@ program's one or two warpgroups.
 
 Scales: with a group of 128 or more the planes decode to ``code - zero`` and the scale
 multiplies the step's partial sum; with smaller groups each weight decodes to ``(code - zero)
-* scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps.
+* scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps,
+one step's eight running while the next step is decoded.
 Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K adds fp32
 partial sums into a zeroed output (the caller casts it). Timed against the Triton tiles and
 Marlin in docs/kernels-int4.md (v11).
@@ -66,22 +67,6 @@ def _copy_words(qw_ptr, slot, step, n0, N, stride_qk, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _copy_x_planes(xp_ptr, slot, step, m0, M, stride_xm, BM: gl.constexpr,
-                   WARPS: gl.constexpr):  # fmt: skip
-    """Start copying K step ``step`` of activations already in plane order (``x_planes``:
-    plane ``i`` is ``xp[:, 128 step + 16 i :][:16]``) into ``slot`` ``[8 BM, 16]`` (plane ``i``
-    at rows ``i BM``), 16 bytes a thread and copy, one copy for the eight planes (no commit:
-    the step's words commit it)."""
-    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0])
-    r = gl.arange(0, 8 * BM, layout=gl.SliceLayout(1, copy_l))
-    c = gl.arange(0, STEP // 8, layout=gl.SliceLayout(0, copy_l))
-    m = m0 + r % BM
-    k = step * STEP + (STEP // 8) * (r // BM)
-    ptrs = xp_ptr + (m * stride_xm + k)[:, None] + c[None, :]
-    _async_load(slot, ptrs, mask=(m < M)[:, None])
-
-
-@gluon.jit
 def _step_group_scales(s_ptr, step, n0, N, stride_sk, GROUP: gl.constexpr,
                        BLOCK_N: gl.constexpr, a_l: gl.constexpr):  # fmt: skip
     """Groups smaller than a step: each weight's scale, ``[BLOCK_N, 16]`` (column, word row)
@@ -106,10 +91,9 @@ def _step_x(x_ptr, step, m0, M, stride_xm, BM: gl.constexpr, x_l: gl.constexpr):
 
 
 @gluon.jit
-def _stage_x(x, slot, BM: gl.constexpr):
-    """Store the step's activations plane by plane into ``slot`` ``[8 BM, 16]`` (plane ``i``,
-    ``x[:, :, i]``, at rows ``i BM``): register moves split the planes, as
-    ``w4a16_gemm._planes`` does."""
+def _stage_x(x, xs_all, base, BM: gl.constexpr):
+    """Store the step's activations plane by plane, ``xs_all[base + i] = x[:, :, i]`` ([BM,
+    16]): register moves split the planes, as ``w4a16_gemm._planes`` does."""
     R: gl.constexpr = STEP // 8
     e, o = gl.split(gl.reshape(x, [BM, R, 4, 2]))  # i even, odd
     e0, e1 = gl.split(gl.reshape(e, [BM, R, 2, 2]))  # i = 0, 4 | 2, 6
@@ -118,24 +102,23 @@ def _stage_x(x, slot, BM: gl.constexpr):
     x2, x6 = gl.split(e1)
     x1, x5 = gl.split(o0)
     x3, x7 = gl.split(o1)
-    slot.slice(0 * BM, BM).store(x0)
-    slot.slice(1 * BM, BM).store(x1)
-    slot.slice(2 * BM, BM).store(x2)
-    slot.slice(3 * BM, BM).store(x3)
-    slot.slice(4 * BM, BM).store(x4)
-    slot.slice(5 * BM, BM).store(x5)
-    slot.slice(6 * BM, BM).store(x6)
-    slot.slice(7 * BM, BM).store(x7)
+    xs_all.index(base + 0).store(x0)
+    xs_all.index(base + 1).store(x1)
+    xs_all.index(base + 2).store(x2)
+    xs_all.index(base + 3).store(x3)
+    xs_all.index(base + 4).store(x4)
+    xs_all.index(base + 5).store(x5)
+    xs_all.index(base + 6).store(x6)
+    xs_all.index(base + 7).store(x7)
     fence_async_shared()  # the stores, before the MMAs read them
     _barrier()
 
 
 @gluon.jit
-def _planes_product(words, neg_zero, scale, slot, acc, BM: gl.constexpr,
-                    USE_ACC: gl.constexpr, ONE_GROUP: gl.constexpr):  # fmt: skip
-    """Starts ``acc (+)= sum_i plane_i(words) @ x_i^T`` (eight async MMAs of K = 16; ``x_i``
-    at rows ``i BM`` of ``slot``): planes of ``code - zero``, or with ``ONE_GROUP`` false
-    ``(code - zero) * scale``."""
+def _planes_product(words, neg_zero, scale, xs_all, base, acc, USE_ACC: gl.constexpr,
+                    ONE_GROUP: gl.constexpr):  # fmt: skip
+    """Starts ``acc (+)= sum_i plane_i(words) @ xs_all[base + i]^T`` (eight async MMAs of
+    K = 16): planes of ``code - zero``, or with ``ONE_GROUP`` false ``(code - zero) * scale``."""
     for i in gl.static_range(8):
         if ONE_GROUP:
             w = gl.inline_asm_elementwise(
@@ -147,7 +130,7 @@ def _planes_product(words, neg_zero, scale, slot, acc, BM: gl.constexpr,
                 _PLANE_SCALED[i], "=r,r,r,r,r", [words, neg_zero, scale], dtype=gl.bfloat16,
                 is_pure=True, pack=2,
             )  # fmt: skip
-        acc = warpgroup_mma(w, slot.slice(i * BM, BM).permute((1, 0)), acc,
+        acc = warpgroup_mma(w, xs_all.index(base + i).permute((1, 0)), acc,
                             use_acc=USE_ACC or i > 0, is_async=True)  # fmt: skip
     return acc
 
@@ -158,20 +141,21 @@ def w4a16_wgmma_kernel(
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr = 4,
-    X_PLANES: gl.constexpr = False, OVERLAP: gl.constexpr = False,
 ):  # fmt: skip
     """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one tile of ``BM`` tokens and 64 columns
     a warpgroup (``num_warps`` 4 or 8: the warpgroups share the activations' staging) and one of
     ``split_k`` K parts; ``STAGES`` slots of words in flight. ``out`` is bf16, or with
-    ``SPLIT`` a zeroed fp32 buffer the parts add into. With ``X_PLANES`` ``x`` is already in
-    plane order (``x_planes``) and comes through the ring with the words, no register staging;
-    with ``OVERLAP`` one step's MMAs run while the next step is decoded (every weight scaled)."""
-    ONE_GROUP: gl.constexpr = GROUP % STEP == 0 and not OVERLAP
+    ``SPLIT`` a zeroed fp32 buffer the parts add into."""
+    ONE_GROUP: gl.constexpr = GROUP % STEP == 0
+    # per-weight scales: the MMAs accumulate across steps, and one step's run while the next
+    # is decoded (with one group a step, its partial sum must be done before the scale)
+    OVERLAP: gl.constexpr = not ONE_GROUP
+    # the activations' slots: the MMAs', the next step's, and with OVERLAP the one the other
+    # warpgroup's MMAs of the step before may still read
+    X_SLOTS: gl.constexpr = 2 + OVERLAP
     WARPS: gl.constexpr = gl.num_warps()
     WG: gl.constexpr = WARPS // 4
     BLOCK_N: gl.constexpr = WG * WG_COLUMNS
-    AHEAD: gl.constexpr = STAGES - 1 - OVERLAP  # steps copied ahead of the one computed
-    X_SLOTS: gl.constexpr = STAGES if X_PLANES else 2 + OVERLAP
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BM, 16])  # fmt: skip
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -190,7 +174,7 @@ def w4a16_wgmma_kernel(
     begin = gl.program_id(1) * per_split
     end = gl.minimum(steps, begin + per_split)
 
-    xs = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, 8 * BM, STEP // 8], xs_l)
+    xs_all = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS * 8, BM, STEP // 8], xs_l)
     # the words' ring: 16-byte chunks swizzled by row, so the A operand's reads (rows 2 t ..
     # 2 t + 9 of a column) fall in different banks
     w_l: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
@@ -202,13 +186,10 @@ def w4a16_wgmma_kernel(
     # steps past the part are clamped to its last (an empty split's to a real step): their
     # copies land unused, and every step commits one group
     first = gl.minimum(begin, steps - 1)
-    for p in gl.static_range(AHEAD):
-        ahead = gl.minimum(begin + p, end - 1)
-        if X_PLANES:
-            _copy_x_planes(x_ptr, xs.index(p), ahead, m0, M, stride_xm, BM, WARPS)
-        _copy_words(qw_ptr, w_ring.index(p), ahead, n0, N, stride_qk, BLOCK_N, WARPS)
-    if not X_PLANES:
-        x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
+    for p in gl.static_range(STAGES - 1):
+        _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk,
+                    BLOCK_N, WARPS)  # fmt: skip
+    x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
     if ONE_GROUP:
         scale = gl.load(s_ptr + (first * STEP // GROUP) * stride_sk + cols, mask=cols < N,
                         other=0.0)  # fmt: skip
@@ -216,38 +197,28 @@ def w4a16_wgmma_kernel(
         scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
     for step in range(begin, end):
         it = step - begin
-        async_copy.wait_group(AHEAD - 1)  # this thread's copies of this step
-        x_slot = xs.index(it % X_SLOTS)
-        if X_PLANES:
-            fence_async_shared()  # the copied activations, before the MMAs read them
-            _barrier()  # every thread's copies
-        else:
-            _stage_x(x, x_slot, BM)  # its barrier makes every thread's copies visible
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of this step's words
+        base = it % X_SLOTS * 8
+        _stage_x(x, xs_all, base, BM)  # its barrier makes every thread's copies visible
         words = w_ring.index(it % STAGES).permute((1, 0)).load(a_l)
-        # the slot of step it + AHEAD - STAGES takes the step AHEAD ahead: its words were read
-        # before the barrier, its MMAs waited for before it (OVERLAP: one step further back)
-        ahead = gl.minimum(step + AHEAD, end - 1)
-        slot = (it + AHEAD) % STAGES
-        if X_PLANES:
-            _copy_x_planes(x_ptr, xs.index(slot), ahead, m0, M, stride_xm, BM, WARPS)
-        _copy_words(qw_ptr, w_ring.index(slot), ahead, n0, N, stride_qk, BLOCK_N, WARPS)
+        # the slot read last step (every thread is past it) takes the words STAGES - 1 ahead;
+        # the next step's scales and activations are in flight through this step's MMAs
+        _copy_words(qw_ptr, w_ring.index((it + STAGES - 1) % STAGES),
+                    gl.minimum(step + STAGES - 1, end - 1), n0, N, stride_qk, BLOCK_N,
+                    WARPS)  # fmt: skip
         nxt = gl.minimum(step + 1, end - 1)
-        if not X_PLANES:
-            next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
+        next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
         if ONE_GROUP:
             next_scale = gl.load(s_ptr + (nxt * STEP // GROUP) * stride_sk + cols,
                                  mask=cols < N, other=0.0)  # fmt: skip
-            part = _planes_product(words, neg_zero, scale, x_slot, zeros, BM, False, True)
+            part = _planes_product(words, neg_zero, scale, xs_all, base, zeros, False, True)
             part = warpgroup_mma_wait(0, deps=(part,))
             acc += part * scale.to(gl.float32)[:, None]
         else:
             next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
-            acc = _planes_product(words, neg_zero, scale, x_slot, acc, BM, True, False)
-            # OVERLAP: this step's eight MMAs stay in flight, the step before's are done
-            acc = warpgroup_mma_wait(8 if OVERLAP else 0, deps=(acc,))
-        if not X_PLANES:
-            x = next_x
-        scale = next_scale
+            acc = _planes_product(words, neg_zero, scale, xs_all, base, acc, True, False)
+            acc = warpgroup_mma_wait(8, deps=(acc,))  # this step's eight stay in flight
+        x, scale = next_x, next_scale
     acc = warpgroup_mma_wait(0, deps=(acc,))
     async_copy.wait_group(0)  # the copies past the last step
 
@@ -258,10 +229,3 @@ def w4a16_wgmma_kernel(
         gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     else:
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def x_planes(x):
-    """``x`` ``[M, K]`` with each K step's 128 inputs in plane order (``k = 8 r + i`` at
-    ``16 i + r``): what ``w4a16_wgmma_kernel`` reads with ``X_PLANES``."""
-    m, k = x.shape
-    return x.view(m, k // STEP, STEP // 8, 8).transpose(2, 3).reshape(m, k)
