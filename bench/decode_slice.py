@@ -102,6 +102,7 @@ from tessera.kernels.paged_decode_bf16 import (
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
+from tessera.kernels import w4a16_gemm
 from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul, w4a16_matmul_reference
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
@@ -1262,7 +1263,8 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "attention": "FlashMLA (sgl-flash-mla 1.0.0, legacy SM90 dense)"
         if args.attention == "flashmla" else "ours (paged_decode_mla_bf16 / _fp8)",
         "int4_linears": "Marlin (SGLang 0.5.23's gptq_marlin_gemm)"
-        if args.int4_linears == "marlin" else "ours (w4a16_matmul)",
+        if args.int4_linears == "marlin"
+        else "ours (w4a16_matmul" + (", no Gluon tiles)" if args.no_wgmma else ")"),
         "int4_experts": "Marlin (SGLang 0.5.23's moe_wna16_marlin_gemm; alignment, SiLU-and-mul "
                         "and top-k sum by our Triton launches)"
         if args.int4_experts == "marlin" else "ours (fused_moe)",
@@ -1382,6 +1384,9 @@ def main() -> None:
     )
     ap.add_argument("--int4-linears", choices=("ours", "marlin"), default="ours",
                     help="INT4 dense linears: our GEMM or SGLang's Marlin")
+    ap.add_argument("--no-wgmma", action="store_true",
+                    help="our INT4 GEMM without its Gluon warpgroup-MMA tiles (the tuner picks "
+                         "among the Triton ones), to time what that kernel gives the step")
     ap.add_argument("--int4-experts", choices=("ours", "marlin"), default="ours",
                     help="INT4 routed experts: our fused MoE or SGLang's Marlin MoE")
     ap.add_argument("--fp8-linears", choices=("auto", "scaled-mm", "deepgemm"), default="auto",
@@ -1419,6 +1424,8 @@ def main() -> None:
         args.fp8_linears = "deepgemm" if has_deepgemm else "scaled-mm"
     args.deepgemm = DeepGemm(args.sglang_src) if args.fp8_linears == "deepgemm" else None
     args.marlin = None
+    if args.no_wgmma:
+        w4a16_gemm._wgmma_candidates = lambda x, w: []
     if "marlin" in (args.int4_linears, args.int4_experts):
         if args.sglang_jit_dir is None:
             raise SystemExit("Marlin needs --sglang-jit-dir (bench/sglang_jit_build.py's --out)")
