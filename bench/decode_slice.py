@@ -93,6 +93,7 @@ from marlin import Marlin
 from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from sglang_jit_build import TINY_GEMM_MAX_M
 from sglang_source import find_sglang_source, load_triton_functions
+from tessera.kernels import w4a16_gemm
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
 from tessera.kernels.paged_decode_bf16 import (
     MLA_ROPE_DIM,
@@ -102,7 +103,6 @@ from tessera.kernels.paged_decode_bf16 import (
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels import w4a16_gemm
 from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul, w4a16_matmul_reference
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
