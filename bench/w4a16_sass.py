@@ -130,30 +130,42 @@ def wgmma_report(
     cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}_{warps}.cubin"
     data, shared = compile_wgmma_cubin(bm, group, split, stages, warps)
     cubin.write_bytes(data)
-    return {"resources": resources(cubin), "shared": shared,
-            "loop": dict(loop_opcodes(cubin, innermost_with="HGMMA"))}  # fmt: skip
+    loop = loop_instructions(cubin, innermost_with="HGMMA")
+    # how many MMA groups each wait in the loop leaves in flight
+    waits = [int(w, 16) for t in loop for w in re.findall(r"DEPBAR\.LE gsb0, (0x\w+)", t)]
+    return {"resources": resources(cubin), "shared": shared, "mma_waits": waits,
+            "loop": dict(collections.Counter(_opcode(t) for t in loop))}  # fmt: skip
 
 
 def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:
     """Opcodes between the target of the longest backward branch and the branch; with
     ``innermost_with``, of the shortest loop that holds that opcode instead."""
+    return collections.Counter(_opcode(text) for text in loop_instructions(cubin, innermost_with))
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loop_instructions(cubin: Path, innermost_with: str | None = None) -> list[str]:
+    """The instructions of :func:`loop_opcodes`' loop, as cuobjdump prints them."""
     sass = subprocess.run(
         [str(CUOBJDUMP), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
     code, loops = {}, []
     for addr_hex, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         addr = int(addr_hex, 16)
-        code[addr] = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+        code[addr] = text.strip()
         target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
 
-    def body(loop: tuple[int, int]) -> collections.Counter:
-        return collections.Counter(op for a, op in code.items() if loop[0] <= a <= loop[1])
+    def body(loop: tuple[int, int]) -> list[str]:
+        return [text for a, text in code.items() if loop[0] <= a <= loop[1]]
 
     if innermost_with:
         holding = [body(lp) for lp in sorted(loops, key=lambda lp: lp[1] - lp[0])]
-        return next((ops for ops in holding if innermost_with in ops), collections.Counter())
+        return next((b for b in holding if any(_opcode(t) == innermost_with for t in b)), [])
     return body(max(loops, key=lambda lp: lp[1] - lp[0], default=(0, 0)))
 
 

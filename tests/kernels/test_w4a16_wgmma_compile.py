@@ -1,7 +1,8 @@
 """The Gluon INT4 GEMM (``w4a16_wgmma.py``) builds for Hopper without a GPU (Triton's bundled
 ptxas): its K loop runs warpgroup MMAs whose decoded weights never pass through shared memory
 (the loop's only shared stores are the eight activation planes; the packed words arrive
-through a ``cp.async`` ring), with no register spills. Its results are checked on the
+through a ``cp.async`` ring), with no register spills, and with per-weight scales one step's
+MMAs still running while the next step is decoded. Its results are checked on the
 GPU (test_w4a16_kernels.py).
 
 Gluon does not build under Triton's interpreter, which the CPU test session switches on, so
@@ -21,3 +22,6 @@ def test_wgmma_gemm_builds_with_register_weights(bm, warps, group, split, stages
     assert loop.get("STS") == 8, built  # the activation planes only: no decoded weights
     assert "STACK:0" in built["resources"] and not loop.get("STL"), built
     assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
+    # per-weight scales: one step's eight MMAs stay in flight while the next is decoded (a
+    # wait that ptxas made total would show as 0); group 128 waits for each step's partial sum
+    assert built["mma_waits"] == [7 if group < 128 else 0], built
