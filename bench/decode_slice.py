@@ -1047,11 +1047,12 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
                 sglang.config = dict(info["sglang_fp8_moe"][key]["config"])
             if c == min(levels, key=lambda v: abs(v - 8)) and f"{w}/{kv}" not in info["checks"]:
                 info["checks"][f"{w}/{kv}"] = check_layer(step, x_in, d_in, c)
-            if c == min(levels):
-                lk = info.setdefault("layer_kernels", {})[f"{w}/{kv}@{c}"] = layer_kernels(
-                    step, x_in, d_in)  # fmt: skip
-                print(f"[{name}] {config_label(w, kv):18s} c={c:4d} one MoE layer: "
-                      f"{lk['launches']} launches, {lk['gpu_us']} us of GPU time", flush=True)
+            # at every level what a layer launches and each launch's GPU time, to hold against
+            # the graph's layer time (its gaps) and the components timed alone
+            lk = info.setdefault("layer_kernels", {})[f"{w}/{kv}@{c}"] = layer_kernels(
+                step, x_in, d_in)  # fmt: skip
+            print(f"[{name}] {config_label(w, kv):18s} c={c:4d} one MoE layer: "
+                  f"{lk['launches']} launches, {lk['gpu_us']} us of GPU time", flush=True)
             g_layers = capture(lambda step=step, x_in=x_in, d_in=d_in: step.layers(x_in, d_in))
             g_off = capture(lambda step=step: step.rest(False))
             g_on = capture(lambda step=step: step.rest(True))
