@@ -87,7 +87,8 @@ def compile_cubin(
                       "COUNTED": True, "FENCE": True, "PDL": 1}  # fmt: skip
     elif moe:
         fn, sig = _moe_gemm_kernel, MOE_SIGNATURE
-        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu}
+        constexprs = {**common, "INT4": True, "MUL_ROUTING": False, "SILU_MUL": silu,
+                      "PAIR_BLOCKS": False}  # fmt: skip
     else:
         fn, sig = _w4a16_gemm_kernel, GEMM_SIGNATURE
         constexprs = {**common, "SPLIT": True}
