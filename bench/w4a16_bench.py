@@ -574,8 +574,10 @@ def _slice(w: W4A16Weight, ids: torch.Tensor) -> W4A16Weight:
 
 
 def _portable(args: list[str]) -> list[str]:
-    """The arguments without this machine's output folder."""
-    return ["OUT_DIR" if i and args[i - 1] == "--out" else a for i, a in enumerate(args)]
+    """The arguments without this machine's paths: the output folder as OUT_DIR, any other
+    absolute path (Marlin's built modules) as DIR."""
+    return ["OUT_DIR" if i and args[i - 1] == "--out" else "DIR" if a.startswith("/") else a
+            for i, a in enumerate(args)]  # fmt: skip
 
 
 def meta(argv, commit: str = "") -> dict:
