@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from w4a16_sass import CUOBJDUMP
+from w4a16_sass import CUOBJDUMP, loop_bodies
 
 KERNEL = "flash_fwd_splitkv_mla_kernel"
 
@@ -57,14 +57,8 @@ def sm90_functions(so: Path) -> dict[str, list[tuple[int, str]]]:
 
 def mma_loops(code: list[tuple[int, str]]) -> list[dict]:
     """The loops (backward branches) that hold MMAs, innermost first, with their opcode mix."""
-    loops = []
-    for addr, text in code:
-        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
     out = []
-    for start, end in sorted(loops, key=lambda lp: lp[1] - lp[0]):
-        body = [text for addr, text in code if start <= addr <= end]
+    for body in loop_bodies(dict(code)):
         mmas = collections.Counter(t.split()[0] for t in body if "MMA" in t.split()[0])
         if mmas:
             ops = collections.Counter(t.split()[0].split(".")[0] for t in body)

@@ -153,21 +153,23 @@ def loop_instructions(cubin: Path, innermost_with: str | None = None) -> list[st
     sass = subprocess.run(
         [str(CUOBJDUMP), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
-    code, loops = {}, []
-    for addr_hex, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
-        addr = int(addr_hex, 16)
-        code[addr] = text.strip()
-        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+    code = {int(a, 16): t.strip() for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)}
+    bodies = loop_bodies(code)
+    if innermost_with:
+        return next((b for b in bodies if any(_opcode(t) == innermost_with for t in b)), [])
+    return bodies[-1] if bodies else []
+
+
+def loop_bodies(code: dict[int, str]) -> list[list[str]]:
+    """The loops of ``code`` (address -> instruction): for each backward branch, the
+    instructions from its target to it; the shortest loop first."""
+    loops = []
+    for addr, text in code.items():
+        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
-
-    def body(loop: tuple[int, int]) -> list[str]:
-        return [text for a, text in code.items() if loop[0] <= a <= loop[1]]
-
-    if innermost_with:
-        holding = [body(lp) for lp in sorted(loops, key=lambda lp: lp[1] - lp[0])]
-        return next((b for b in holding if any(_opcode(t) == innermost_with for t in b)), [])
-    return body(max(loops, key=lambda lp: lp[1] - lp[0], default=(0, 0)))
+    loops.sort(key=lambda lp: lp[1] - lp[0])
+    return [[t for a, t in code.items() if start <= a <= end] for start, end in loops]
 
 
 def resources(cubin: Path) -> str:

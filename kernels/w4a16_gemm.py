@@ -305,25 +305,6 @@ def _take_sums(sums, last):
 
 
 @triton.jit
-def _take_workspace_kernel(sums_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    """``out = bf16(sums)`` and ``sums = 0``: after a launch that added its K splits into the
-    workspace (:func:`counted_workspace`), one launch gives the result and leaves it zero."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    tl.store(out_ptr + offs, tl.load(sums_ptr + offs, mask=mask).to(tl.bfloat16), mask=mask)
-    tl.store(sums_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=mask)
-
-
-def take_workspace(sums: torch.Tensor) -> torch.Tensor:
-    """The fp32 ``sums`` (a view of the workspace) as a new bf16 tensor; ``sums`` zeroed."""
-    out = torch.empty(sums.shape, dtype=torch.bfloat16, device=sums.device)
-    block = 1024
-    _take_workspace_kernel[(triton.cdiv(sums.numel(), block),)](sums, out, sums.numel(),
-                                                                 BLOCK=block)  # fmt: skip
-    return out
-
-
-@triton.jit
 def _dependent_launch(PDL: tl.constexpr):
     """Programmatic dependent launch (``GemmConfig.pdl``): 1 waits, before anything is read or
     written, for the kernel before to finish, so this one is launched while that one ends; 2
@@ -615,8 +596,8 @@ class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
     (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused), ``"wgmma"``
     (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns a
-    warpgroup, ``num_stages`` slots in its ring of words; split K adds into the zero
-    workspace and a second launch takes the sums and zeroes it; no dependent launch) or
+    warpgroup, ``num_stages`` slots in its ring of words; split K always adds into a zeroed
+    fp32 output, no dependent launch) or
     ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
@@ -794,13 +775,13 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     m = x.shape[0]
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
+    split = cfg.split_k > 1
+    counted = split and cfg.counted and cfg.path != "wgmma"  # the Gluon kernel's never are
+    if split and not counted:  # fp32 atomics into a zeroed output, cast afterwards
+        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
     if cfg.path == "wgmma":
-        split = cfg.split_k > 1
-        if split:  # the parts add into the workspace; one launch takes the sums and zeroes it
-            sums, _ = counted_workspace(x.device, _m_bucket(m) * w.n, 0)
-            out = sums[: m * w.n].view(m, w.n)
-        else:
-            out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
         w4a16_wgmma_kernel[grid](
             x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
@@ -808,13 +789,7 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
             GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, STAGES=cfg.num_stages,
             num_warps=cfg.num_warps,
         )  # fmt: skip
-        return take_workspace(out) if split else out
-    split = cfg.split_k > 1
-    counted = split and cfg.counted
-    if split and not counted:  # fp32 atomics into a zeroed output, cast afterwards
-        out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
+        return out.to(torch.bfloat16)  # a copy only of zeroed-output fp32 sums
     sums, counts = out, out  # unused pointers unless counted
     if counted:  # sized for the M bucket: a capture at a larger M of the bucket must not grow it
         sums, counts = counted_workspace(x.device, _m_bucket(m) * w.n, _m_bucket(m) * w.n)

@@ -23,8 +23,8 @@ multiplies the step's partial sum; with smaller groups each weight decodes to ``
 * scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps,
 one step's eight running while the next step is decoded.
 Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K adds fp32
-partial sums into a zero fp32 buffer (the caller's workspace, which it then reads and
-zeroes). Timed against the Triton tiles and Marlin in docs/kernels-int4.md (v11, v12).
+partial sums into a zeroed output (the caller casts it). Timed against the Triton tiles and
+Marlin in docs/kernels-int4.md (v11, v12).
 """
 
 from __future__ import annotations
