@@ -153,6 +153,9 @@ def w4a16_wgmma_kernel(
     # the activations' slots: the MMAs', the next step's, and with OVERLAP the one the other
     # warpgroup's MMAs of the step before may still read
     X_SLOTS: gl.constexpr = 2 + OVERLAP
+    # steps whose words are copied ahead of the one computed: with OVERLAP one less, which
+    # timed 2-12% faster than a full ring ahead (docs/kernels-int4.md, v13)
+    AHEAD: gl.constexpr = STAGES - 1 - OVERLAP
     WARPS: gl.constexpr = gl.num_warps()
     WG: gl.constexpr = WARPS // 4
     BLOCK_N: gl.constexpr = WG * WG_COLUMNS
@@ -186,7 +189,7 @@ def w4a16_wgmma_kernel(
     # steps past the part are clamped to its last (an empty split's to a real step): their
     # copies land unused, and every step commits one group
     first = gl.minimum(begin, steps - 1)
-    for p in gl.static_range(STAGES - 1):
+    for p in gl.static_range(AHEAD):
         _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk,
                     BLOCK_N, WARPS)  # fmt: skip
     x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
@@ -197,14 +200,15 @@ def w4a16_wgmma_kernel(
         scale = _step_group_scales(s_ptr, first, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
     for step in range(begin, end):
         it = step - begin
-        async_copy.wait_group(STAGES - 2)  # this thread's copies of this step's words
+        async_copy.wait_group(AHEAD - 1)  # this thread's copies of this step's words
         base = it % X_SLOTS * 8
         _stage_x(x, xs_all, base, BM)  # its barrier makes every thread's copies visible
         words = w_ring.index(it % STAGES).permute((1, 0)).load(a_l)
-        # the slot read last step (every thread is past it) takes the words STAGES - 1 ahead;
-        # the next step's scales and activations are in flight through this step's MMAs
-        _copy_words(qw_ptr, w_ring.index((it + STAGES - 1) % STAGES),
-                    gl.minimum(step + STAGES - 1, end - 1), n0, N, stride_qk, BLOCK_N,
+        # the slot of step it + AHEAD - STAGES (read before the barrier above) takes the words
+        # AHEAD ahead; the next step's scales and activations are in flight through this
+        # step's MMAs
+        _copy_words(qw_ptr, w_ring.index((it + AHEAD) % STAGES),
+                    gl.minimum(step + AHEAD, end - 1), n0, N, stride_qk, BLOCK_N,
                     WARPS)  # fmt: skip
         nxt = gl.minimum(step + 1, end - 1)
         next_x = _step_x(x_ptr, nxt, m0, M, stride_xm, BM, x_l)
