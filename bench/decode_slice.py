@@ -95,7 +95,6 @@ from sglang_jit_build import TINY_GEMM_MAX_M
 from sglang_source import find_sglang_source, load_triton_functions
 from tessera.kernels import w4a16_gemm
 from tessera.kernels.fp8_kv_quant import write_kv_fp8, write_kv_fp8_ref
-from tessera.kernels.l2_prefetch import L2Prefetch
 from tessera.kernels.paged_decode_bf16 import (
     MLA_ROPE_DIM,
     paged_decode_mla_bf16,
@@ -811,50 +810,15 @@ class ReferenceOps(KernelOps):
 # ---------------------------------------------------------------------------- the step
 
 
-def read_by_kernel(lin: Linear) -> list[torch.Tensor]:
-    """What a linear's kernel reads from HBM: its weights and their scales."""
-    if lin.marlin is not None:
-        return [t for t in lin.marlin if isinstance(t, torch.Tensor)]
-    if isinstance(lin.weight, W4A16Weight):
-        return [lin.weight.qweight, lin.weight.scales]
-    return [t for t in (lin.weight, lin.scale, lin.block_scale) if t is not None]
-
-
-class LayerPrefetch:
-    """``--l2-prefetch``: on a side stream beside the layer's kernels, each MoE layer asks L2
-    for its attention's q_b, o (and indexer) weights and its shared expert's at its start, and
-    for the next layer's fused q_a + kv_a after its routed experts (which stream more than L2
-    holds, so nothing asked before them would stay). The main stream waits for the side stream
-    after each attention, when its prefetches have long been issued."""
-
-    def __init__(self, moe: list[tuple[Attention, MoE]]) -> None:
-        self.at_start = [L2Prefetch([t for lin in (a.q_b, a.o, *a.indexer, m.shared.up,
-                                                   m.shared.down) for t in read_by_kernel(lin)])
-                         for a, m in moe]  # fmt: skip
-        self.after_experts = [L2Prefetch(read_by_kernel(moe[(i + 1) % len(moe)][0].qkv_a))
-                              for i in range(len(moe))]  # fmt: skip
-        self.stream = torch.cuda.Stream()
-
-    def fork(self, p: L2Prefetch) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            p.prefetch()
-
-    def join(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)
-
-
 class SliceStep:
     """One GPU's decode step over ``batch``; ``ops`` picks the kernels or the reference."""
 
     def __init__(self, shape: SliceShape, common: Common, weights: Weights,
                  dense_caches: list[KVCache], moe_caches: list[KVCache], batch: Batch,
-                 routing: list[LayerRouting], ops: KernelOps,
-                 prefetch: LayerPrefetch | None = None) -> None:  # fmt: skip
+                 routing: list[LayerRouting], ops: KernelOps) -> None:  # fmt: skip
         self.s, self.common, self.w = shape, common, weights
         self.dense_caches, self.moe_caches = dense_caches, moe_caches
         self.batch, self.routing, self.ops = batch, routing, ops
-        self.prefetch = prefetch
 
     def attention(self, a: Attention, cache: KVCache, x: torch.Tensor,
                   delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -893,20 +857,14 @@ class SliceStep:
     def moe_layer(self, i: int, x: torch.Tensor,
                   delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         attn, moe = self.w.moe[i]
-        r, pf = self.routing[i], self.prefetch
-        if pf is not None:
-            pf.fork(pf.at_start[i])
+        r = self.routing[i]
         x, o = self.attention(attn, self.moe_caches[i], x, delta)
-        if pf is not None:  # a wait on prefetches that ended long before
-            pf.join()
         x, h = self.ops.norm(x, o, moe.norm)
         logits = self.ops.router_logits(h, moe.router)
         # its selection; the drawn routing replaces it
         self.ops.select_experts(logits, moe.router_bias, self.s.top_k)
         shared = self.mlp(moe.shared, h)
         routed = self.ops.moe(h.index_select(0, r.tokens), moe.experts, r)
-        if pf is not None:
-            pf.fork(pf.after_experts[i])
         return x, shared.index_add_(0, r.tokens, routed)
 
     def embed(self) -> torch.Tensor:
@@ -938,8 +896,6 @@ class SliceStep:
     def layers(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for i in range(len(self.w.moe)):
             x, delta = self.moe_layer(i, x, delta)
-        if self.prefetch is not None:  # a graph's capture ends with every stream joined
-            self.prefetch.join()
         return x, delta
 
     def step(self, integrity: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1059,8 +1015,6 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     }  # fmt: skip
     print(f"[{name}] weights built in {info['weights_built_s']} s", flush=True)
     routing = RoutingDraws(shape, args.slice_layers, device)
-    # the prefetches are tessera's, for the layers it serves: INT4 only
-    prefetch = {"int4": LayerPrefetch(weights["int4"].moe)} if args.l2_prefetch else {}
     rows = []
     for w, kv in CONFIGS:
         plan = pool_plan(name, w, kv)
@@ -1081,7 +1035,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
             ops = KernelOps(sglang, args.flashmla, args.marlin, args.deepgemm, args.tiny_gemms)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
-                             routing[c], ops, prefetch.get(w))  # fmt: skip
+                             routing[c], ops)  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
             d_in = Gen(device, seed=c + 1).randn(c, shape.hidden)  # the last dense layer's output
             if w == "fp8":
@@ -1315,8 +1269,6 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "int4_experts": "Marlin (SGLang 0.5.23's moe_wna16_marlin_gemm; alignment, SiLU-and-mul "
                         "and top-k sum by our Triton launches)"
         if args.int4_experts == "marlin" else "ours (fused_moe)",
-        "int4_l2_prefetch": "each INT4 MoE layer's dense weights asked into L2 on a side stream "
-                            "(LayerPrefetch)" if args.l2_prefetch else "none",
         "fp8_linears": f"DeepGEMM {args.deepgemm.dg.__version__} (fp8_gemm_nt, 128 x 128 weight "
                        "blocks; activations by SGLang's Triton group-128 quantizer, column-major "
                        "scales)"
@@ -1436,9 +1388,6 @@ def main() -> None:
     ap.add_argument("--no-wgmma", action="store_true",
                     help="our INT4 GEMM without its Gluon warpgroup-MMA tiles (the tuner picks "
                          "among the Triton ones), to time what that kernel gives the step")
-    ap.add_argument("--l2-prefetch", action="store_true",
-                    help="INT4 layers ask L2 for their dense weights on a side stream ahead of "
-                         "the GEMMs (LayerPrefetch)")  # fmt: skip
     ap.add_argument("--int4-experts", choices=("ours", "marlin"), default="ours",
                     help="INT4 routed experts: our fused MoE or SGLang's Marlin MoE")
     ap.add_argument("--fp8-linears", choices=("auto", "scaled-mm", "deepgemm"), default="auto",
