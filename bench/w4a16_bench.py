@@ -183,13 +183,20 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
         # the Gluon kernel's tiles (Hopper), whatever the tuner picked: its best, side by side
-        wgmma = {}
+        wgmma, forms = {}, {}
         for cfg in _wgmma_candidates(xs[0], ws[0]):
             t = graph_time_us(lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c),
                               sets)  # fmt: skip
+            # its best tile launched plainly (split: zeroing, kernel, cast) and dependently
+            # (split: counted, one launch), side by side
+            form = "dependent_one_launch" if cfg.pdl else "plain"
+            if t < forms.get(form, (float("inf"),))[0]:
+                forms[form] = (t, _short(cfg))
             if t < wgmma.get("wgmma_us", float("inf")):
                 wgmma = {"wgmma_us": t, "wgmma_config": _short(cfg),
                          "wgmma_rel_l2_vs_fp32": rel_l2(w4a16_matmul(xs[0], ws[0], cfg), ref)}
+        if forms:
+            wgmma["wgmma_forms_us"] = forms
         per_config, tuner = {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
             for cfg in _candidates(m, n, k) + _wgmma_candidates(xs[0], ws[0]):
@@ -221,6 +228,8 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
                  if "marlin_us" in marlin else "")
               + (f"  other split {twin['int4_other_split_us']:6.1f}us" if twin else "")
               + (f"  wgmma {wgmma['wgmma_us']:6.1f}us ({wgmma['wgmma_config']})" if wgmma else "")
+              + "".join(f"  {form} {t:6.1f}us ({c})"
+                        for form, (t, c) in wgmma.get("wgmma_forms_us", {}).items())
               + (f"  deepgemm {marlin['deepgemm_us']:6.1f}us "
                  f"(gemm {marlin['deepgemm_gemm_us']:.1f})" if "deepgemm_us" in marlin else ""),
               flush=True)  # fmt: skip
@@ -250,7 +259,7 @@ def _short(cfg) -> str:
         return f"gemv{cfg.block_n}x{cfg.block_k}" + (f"k{cfg.split_k}" if cfg.split_k > 1 else "")
     if path == "wgmma":
         return (f"wgmma{cfg.block_m}x{cfg.block_n}s{cfg.num_stages}"
-                + (f"k{cfg.split_k}" if cfg.split_k > 1 else ""))
+                + (f"k{cfg.split_k}" if cfg.split_k > 1 else "") + ("d" if cfg.pdl else ""))
     if path != "triton":
         return path
     text = f"{'S' if cfg.swap else 'P'}{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"

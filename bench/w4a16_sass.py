@@ -47,9 +47,9 @@ MOE_SIGNATURE = {
 }  # fmt: skip
 GEMV_SIGNATURE = GEMM_SIGNATURE
 WGMMA_SIGNATURE = {
-    "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
-    "N": "i32", "K": "i32", "split_k": "i32", "stride_xm": "i32", "stride_qk": "i32",
-    "stride_sk": "i32", "stride_om": "i32",
+    "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "split_k": "i32", "stride_xm": "i32",
+    "stride_qk": "i32", "stride_sk": "i32", "stride_om": "i32",
 }  # fmt: skip
 NOT_DIVISIBLE = {"M", "split_k", "num_pairs", "rows_per_x", "sum_rows"}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
@@ -104,14 +104,17 @@ def compile_cubin(
 
 
 def compile_wgmma_cubin(
-    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4,
+    counted: bool = False, pdl: bool = False,
 ) -> tuple[bytes, int]:
     """The Gluon kernel (``w4a16_wgmma.py``) for ``bm`` tokens a tile: its cubin and shared
-    memory in bytes."""
+    memory in bytes. ``split``: K parts added into an fp32 output, or with ``counted`` met in
+    the workspace; ``pdl``: launched dependently."""
     fn, sig = w4a16_wgmma_kernel, dict(WGMMA_SIGNATURE)
-    if split:
+    if split and not counted:
         sig["out_ptr"] = "*fp32"
-    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": stages}
+    constexprs = {"GROUP": group, "BM": bm, "SPLIT": split, "STAGES": stages,
+                  "COUNTED": counted, "PDL": pdl}  # fmt: skip
     signature = {**sig, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {
         (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in NOT_DIVISIBLE
@@ -122,20 +125,27 @@ def compile_wgmma_cubin(
 
 
 def wgmma_report(
-    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4
+    bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4,
+    counted: bool = False, pdl: bool = False,
 ) -> dict:
     """The Gluon kernel's registers and stack, shared memory and K-loop opcodes (the loop with
     the warpgroup MMAs), for ``tests/kernels/test_w4a16_wgmma_compile.py``."""
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
-    cubin = scratch / f"w4a16_wgmma_{bm}_{group}_{int(split)}_{stages}_{warps}.cubin"
-    data, shared = compile_wgmma_cubin(bm, group, split, stages, warps)
+    name = f"w4a16_wgmma_{bm}_{group}_{split:d}{counted:d}{pdl:d}_{stages}_{warps}.cubin"
+    cubin = scratch / name
+    data, shared = compile_wgmma_cubin(bm, group, split, stages, warps, counted, pdl)
     cubin.write_bytes(data)
     loop = loop_instructions(cubin, innermost_with="HGMMA")
     # how many MMA groups each wait in the loop leaves in flight
     waits = [int(w, 16) for t in loop for w in re.findall(r"DEPBAR\.LE gsb0, (0x\w+)", t)]
+    sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    # the whole kernel's global atomics by kind (the split's reductions, counts and exchanges)
+    atomics = collections.Counter(re.findall(r"\b((?:REDG|ATOMG)\.E\.[A-Z0-9]+)", sass))
     return {"resources": resources(cubin), "shared": shared, "mma_waits": waits,
-            "loop": dict(collections.Counter(_opcode(t) for t in loop))}  # fmt: skip
+            "loop": dict(collections.Counter(_opcode(t) for t in loop)),
+            "atomics": dict(atomics)}  # fmt: skip
 
 
 def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:

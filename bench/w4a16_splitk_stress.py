@@ -1,6 +1,7 @@
 """Repeat every split-K W4A16 launch many times on fresh inputs, to catch a reduction race.
 
-The dense GEMM's K splits (counted, or added into a zeroed output) and the MoE's K splits,
+The dense GEMM's K splits (counted, or added into a zeroed output; the Triton tiles and, on
+Hopper, the Gluon kernel's) and the MoE's K splits,
 CUDA-core path and top-k sum: counted splits meet inside the launch, where each program adds its
 fp32 part and counts it, and the program that adds an element's last part stores it and resets
 the workspace (``w4a16_gemm._add_counted``). A race can show up rarely (one wrong run in 128 in
@@ -9,7 +10,8 @@ clear one. This runs every such config the tuners may pick for the decode shapes
 ``--repeats`` times, each on a fresh activation (the MoE: and a fresh routing), and counts
 outputs whose rel-L2 against the fp32 reference exceeds 5e-3.
 
-    python bench/w4a16_splitk_stress.py [--repeats 100] [--out DIR] [--tag _counted]
+    python bench/w4a16_splitk_stress.py [--repeats 100] [--only dense|moe|wgmma] [--out DIR]
+        [--tag _counted]
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
-from tessera.kernels.w4a16_gemm import _candidates, _run
+from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_candidates
 from tessera.kernels.w4a16_moe import _candidates as moe_candidates
 from tessera.kernels.w4a16_moe import fused_moe, fused_moe_reference
 
 SHAPES = [(16384, 7168, 128), (4608, 7168, 32)]  # (N, K, group)
-M_VALUES = (1, 4, 16)
+M_VALUES = (1, 4, 16, 64)
 # (experts, hidden, expert width, top_k, tokens): all of Kimi K2's experts, one EP-8 GPU's share
 MOE_CASES = [(384, 7168, 2048, 8, 1), (384, 7168, 2048, 8, 4), (48, 7168, 2048, 1, 1),
              (48, 7168, 2048, 1, 16)]  # fmt: skip
@@ -44,13 +46,15 @@ def tally(rows: list, label: str, runs: int, errors: list[float], **fields) -> N
     print(f"{label}: {bad}/{runs} bad, worst {max(errors):.2e}", flush=True)
 
 
-def dense_rows(repeats: int) -> list[dict]:
+def dense_rows(repeats: int, gluon_only: bool = False) -> list[dict]:
     rows = []
     for n, k, group in SHAPES:
         w = quantize_rtn(torch.randn(n, k, device="cuda"), group)
         dense = dequantize(w, torch.float32).T.contiguous()  # [K, N]
         for m in M_VALUES:
-            for cfg in (c for c in _candidates(m, n, k) if c.split_k > 1):
+            probe = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            tiles = ([] if gluon_only else _candidates(m, n, k)) + _wgmma_candidates(probe, w)
+            for cfg in (c for c in tiles if c.split_k > 1):
                 errors = []
                 for _ in range(repeats):
                     x = torch.randn(m, k, device="cuda").bfloat16()
@@ -108,11 +112,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
-    ap.add_argument("--only", choices=["dense", "moe"], help="run one half")
+    ap.add_argument("--only", choices=["dense", "moe", "wgmma"],
+                    help="run one half, or the dense GEMM's Gluon tiles alone")
     a = ap.parse_args()
     torch.manual_seed(0)
-    rows = (dense_rows(a.repeats) if a.only != "moe" else []) + (
-        moe_rows(a.repeats) if a.only != "dense" else []
+    rows = (dense_rows(a.repeats, a.only == "wgmma") if a.only != "moe" else []) + (
+        moe_rows(a.repeats) if a.only is None or a.only == "moe" else []
     )
     a.out.mkdir(parents=True, exist_ok=True)
     total = sum(r["bad"] for r in rows)

@@ -596,8 +596,7 @@ class GemmConfig:
     """One way to run the GEMM: ``path`` is ``"triton"`` (the tensor-core kernel), ``"gemv"``
     (the CUDA-core kernel for one token; ``block_m`` and ``num_stages`` unused), ``"wgmma"``
     (the Gluon kernel of ``w4a16_wgmma.py``, Hopper: ``block_m`` tokens a tile, 64 columns a
-    warpgroup, ``num_stages`` slots in its ring of words; split K always adds into a zeroed
-    fp32 output, no dependent launch) or
+    warpgroup, ``num_stages`` slots in its ring of words; ``pdl`` 0 or 1) or
     ``"dequant_cublas"`` (dequantize to bf16, then torch's matmul)."""
 
     path: str = "triton"
@@ -713,8 +712,11 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     for warps, stages in ((4, 4), (4, 8), (8, 4)) if bm >= 16 else ((4, 4), (4, 8)):
         bn = WG_COLUMNS.value * warps // 4
         for s in _split_counts(triton.cdiv(w.n, bn)):
-            out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages, counted=False,
-                                  pdl=0))  # fmt: skip
+            # as it was (zeroed output, plain launch) and as the Triton tiles run (counted
+            # splits, dependent launch), side by side until one is measured the faster
+            for one_launch in (False, True):
+                out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages,
+                                      counted=one_launch, pdl=int(one_launch)))  # fmt: skip
     return out
 
 
@@ -776,23 +778,26 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     if cfg.path == "dequant_cublas":
         return x @ w4a16_dequantize(w)
     split = cfg.split_k > 1
-    counted = split and cfg.counted and cfg.path != "wgmma"  # the Gluon kernel's never are
+    counted = split and cfg.counted
     if split and not counted:  # fp32 atomics into a zeroed output, cast afterwards
         out = torch.zeros((m, w.n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, w.n), dtype=torch.bfloat16, device=x.device)
-    if cfg.path == "wgmma":
-        grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
-        w4a16_wgmma_kernel[grid](
-            x, w.qweight, w.scales, out, m, w.n, w.k, cfg.split_k,
-            x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-            GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps,
-        )  # fmt: skip
-        return out.to(torch.bfloat16)  # a copy only of zeroed-output fp32 sums
     sums, counts = out, out  # unused pointers unless counted
     if counted:  # sized for the M bucket: a capture at a larger M of the bucket must not grow it
         sums, counts = counted_workspace(x.device, _m_bucket(m) * w.n, _m_bucket(m) * w.n)
+    launchable = not interpreted() and _dependent_launches(x.device.index or 0)
+    pdl = cfg.pdl if launchable else 0
+    if cfg.path == "wgmma":
+        grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
+        w4a16_wgmma_kernel[grid](
+            x, w.qweight, w.scales, out, sums, counts, m, w.n, w.k, cfg.split_k,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+            GROUP=w.group_size, BM=cfg.block_m, SPLIT=split, STAGES=cfg.num_stages,
+            COUNTED=counted, PDL=pdl == 1, num_warps=cfg.num_warps,
+            **({"launch_pdl": True} if pdl == 1 else {}),
+        )  # fmt: skip
+        return out.to(torch.bfloat16)  # a copy only of zeroed-output fp32 sums
     zeros = w.zeros if w.zeros is not None else w.scales  # unused pointer when symmetric
     args = (
         x, w.qweight, w.scales, zeros, out, sums, counts, m, w.n, w.k, cfg.split_k,
@@ -805,8 +810,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
         "EVEN_K": w.k % cfg.block_k == 0, "EVEN_N": w.n % cfg.block_n == 0,
         "num_warps": cfg.num_warps,
     }  # fmt: skip
-    if cfg.pdl and not interpreted() and _dependent_launches(x.device.index or 0):
-        common |= {"PDL": cfg.pdl, "launch_pdl": True}
+    if pdl:
+        common |= {"PDL": pdl, "launch_pdl": True}
     if cfg.path == "gemv":
         _w4a16_gemv_kernel[(triton.cdiv(w.n, cfg.block_n) * m, cfg.split_k)](
             *args, BLOCK_R=cfg.block_k // PACK, num_stages=1, **common

@@ -22,9 +22,11 @@ Scales: with a group of 128 or more the planes decode to ``code - zero`` and the
 multiplies the step's partial sum; with smaller groups each weight decodes to ``(code - zero)
 * scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps,
 one step's eight running while the next step is decoded.
-Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K adds fp32
-partial sums into a zeroed output (the caller casts it). Timed against the Triton tiles and
-Marlin in docs/kernels-int4.md (v11, v12).
+Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K parts meet in
+the Triton tiles' self-resetting workspace and the last stores the result (one launch), or add
+into a zeroed fp32 output the caller casts (three launches). Launched dependently, the first
+words are copied while the kernel before ends. Timed against the Triton tiles and Marlin in
+docs/kernels-int4.md (v11 to v14).
 """
 
 from __future__ import annotations
@@ -136,16 +138,61 @@ def _planes_product(words, neg_zero, scale, xs_all, base, acc, USE_ACC: gl.const
 
 
 @gluon.jit
+def _fenced_zero(x):
+    """0 from the scalar ``x``, through one ``fence.acq_rel.gpu`` a thread: what is computed
+    from it is ordered after the fence, the fence after ``x`` (a one-element tensor each
+    thread holds, as inline assembly takes no scalars in every Triton release)."""
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    t = gl.full([1], 0, gl.int32, one_l) + x * 0
+    t = gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [t],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    return gl.max(t, 0)
+
+
+@gluon.jit
+def _wait_for_kernel_before():
+    """Programmatic dependent launch: wait here until the kernel before has finished (and its
+    writes are visible); a no-op in a plain launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _store_counted(out_ptr, ws_ptr, cnt_ptr, idx, acc, mask, split_k):
+    """The K splits meet in ``w4a16_gemm.counted_workspace`` (zero before and after the
+    launch), as the Triton tiles' ``_add_counted`` and ``_take_sums`` do: add this part, and
+    count it; the program that adds an element's last part resets its count, takes the sum
+    (resetting it) and stores it as bf16. Each thread learns from its own counts whether it
+    was last; a barrier and a fence put the program's adds before its counts, and a fence
+    after them puts the counts before the sums are taken."""
+    gl.atomic_add(ws_ptr + idx, acc, mask=mask, sem="relaxed")
+    _barrier()
+    zero = _fenced_zero(gl.program_id(0))  # release: every add of the program first
+    arrived = gl.atomic_add(cnt_ptr + idx + zero, idx * 0 + 1, mask=mask, sem="relaxed")
+    zero = _fenced_zero(gl.min(gl.min(arrived, 1), 0))  # acquire: after every count
+    last = mask & (arrived + zero == split_k - 1)
+    gl.atomic_xchg(cnt_ptr + idx, gl.zeros_like(arrived), mask=last, sem="relaxed")
+    bits = (ws_ptr + idx).to(gl.pointer_type(gl.int32), bitcast=True)
+    total = gl.atomic_xchg(bits, gl.zeros_like(arrived), mask=last, sem="relaxed")
+    gl.store(out_ptr + idx, total.to(gl.float32, bitcast=True).to(out_ptr.dtype.element_ty),
+             mask=last)  # fmt: skip
+
+
+@gluon.jit
 def w4a16_wgmma_kernel(
-    x_ptr, qw_ptr, s_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, split_k,
     stride_xm, stride_qk, stride_sk, stride_om,
     GROUP: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr = 4,
+    COUNTED: gl.constexpr = False, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """``out[m, n] (+)= x[m] @ dequant(W)[:, n]`` for one tile of ``BM`` tokens and 64 columns
     a warpgroup (``num_warps`` 4 or 8: the warpgroups share the activations' staging) and one of
     ``split_k`` K parts; ``STAGES`` slots of words in flight. ``out`` is bf16, or with
-    ``SPLIT`` a zeroed fp32 buffer the parts add into."""
+    ``SPLIT`` and not ``COUNTED`` a zeroed fp32 buffer the parts add into; ``COUNTED`` parts
+    meet in the workspace ``ws_ptr`` / ``cnt_ptr`` and the last stores bf16 (one launch). With
+    ``PDL`` (a dependent launch) the words' first copies start before the kernel before has
+    ended; the activations and the workspace are touched only after it has."""
     ONE_GROUP: gl.constexpr = GROUP % STEP == 0
     # per-weight scales: the MMAs accumulate across steps, and one step's run while the next
     # is decoded (with one group a step, its partial sum must be done before the scale)
@@ -192,6 +239,8 @@ def w4a16_wgmma_kernel(
     for p in gl.static_range(AHEAD):
         _copy_words(qw_ptr, w_ring.index(p), gl.minimum(begin + p, end - 1), n0, N, stride_qk,
                     BLOCK_N, WARPS)  # fmt: skip
+    if PDL:  # the weights are no kernel's output; the activations are the kernel before's
+        _wait_for_kernel_before()
     x = _step_x(x_ptr, first, m0, M, stride_xm, BM, x_l)
     if ONE_GROUP:
         scale = gl.load(s_ptr + (first * STEP // GROUP) * stride_sk + cols, mask=cols < N,
@@ -227,9 +276,11 @@ def w4a16_wgmma_kernel(
     async_copy.wait_group(0)  # the copies past the last step
 
     ms = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    ptrs = out_ptr + ms[None, :] * stride_om + cols[:, None]
+    idx = ms[None, :] * stride_om + cols[:, None]
     mask = (cols < N)[:, None] & (ms < M)[None, :]
-    if SPLIT:
-        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    if SPLIT and COUNTED:
+        _store_counted(out_ptr, ws_ptr, cnt_ptr, idx, acc, mask, split_k)
+    elif SPLIT:
+        gl.atomic_add(out_ptr + idx, acc, mask=mask, sem="relaxed")
     else:
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        gl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -25,3 +25,16 @@ def test_wgmma_gemm_builds_with_register_weights(bm, warps, group, split, stages
     # per-weight scales: one step's eight MMAs stay in flight while the next is decoded (a
     # wait that ptxas made total would show as 0); group 128 waits for each step's partial sum
     assert built["mma_waits"] == [7 if group < 128 else 0], built
+
+
+@pytest.mark.parametrize(("bm", "warps"), [(8, 4), (64, 8)])
+def test_counted_split_builds_its_reduction_and_keeps_the_loop(bm, warps):
+    # K splits met in the workspace, launched dependently: the same K loop, no spills, and an
+    # epilogue that adds each part, counts it, and exchanges the count and the sum back to zero
+    built = offline_build("w4a16_sass", f"wgmma_report({bm}, 32, True, 4, {warps}, True, True)")
+    assert built["loop"].get("HGMMA") == 8 and built["mma_waits"] == [7], built
+    assert "STACK:0" in built["resources"] and not built["loop"].get("STL"), built
+    elements = 64 * warps // 4 * bm // (32 * warps)  # a thread's share of the output tile
+    adds = built["atomics"].get("REDG.E.ADD", 0) + built["atomics"].get("ATOMG.E.ADD", 0)
+    assert adds == 2 * elements, built  # its part and its count, per element
+    assert built["atomics"].get("ATOMG.E.EXCH") == 2 * elements, built  # count and sum reset
