@@ -46,12 +46,12 @@ def tally(rows: list, label: str, runs: int, errors: list[float], **fields) -> N
     print(f"{label}: {bad}/{runs} bad, worst {max(errors):.2e}", flush=True)
 
 
-def dense_rows(repeats: int, gluon_only: bool = False) -> list[dict]:
+def dense_rows(repeats: int, gluon_only: bool = False, ms: tuple = M_VALUES) -> list[dict]:
     rows = []
     for n, k, group in SHAPES:
         w = quantize_rtn(torch.randn(n, k, device="cuda"), group)
         dense = dequantize(w, torch.float32).T.contiguous()  # [K, N]
-        for m in M_VALUES:
+        for m in ms:
             probe = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             tiles = ([] if gluon_only else _candidates(m, n, k)) + _wgmma_candidates(probe, w)
             for cfg in (c for c in tiles if c.split_k > 1):
@@ -59,7 +59,8 @@ def dense_rows(repeats: int, gluon_only: bool = False) -> list[dict]:
                 for _ in range(repeats):
                     x = torch.randn(m, k, device="cuda").bfloat16()
                     errors.append(rel_l2(_run(x, w, cfg), x.float() @ dense))
-                tile = f"{cfg.path} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}"
+                tile = (f"{cfg.path} {cfg.block_m}x{cfg.block_n} s{cfg.num_stages} split "
+                        f"{cfg.split_k}" + (" counted" if cfg.counted else ""))
                 tally(rows, f"N{n} K{k} g{group} M{m} {tile}", repeats, errors,
                       n=n, k=k, group=group, m=m, config=asdict(cfg))  # fmt: skip
     return rows
@@ -112,11 +113,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    ap.add_argument("--m", help="the dense GEMM's token counts, comma-separated")
     ap.add_argument("--only", choices=["dense", "moe", "wgmma"],
                     help="run one half, or the dense GEMM's Gluon tiles alone")
     a = ap.parse_args()
     torch.manual_seed(0)
-    rows = (dense_rows(a.repeats, a.only == "wgmma") if a.only != "moe" else []) + (
+    ms = tuple(int(v) for v in a.m.split(",")) if a.m else M_VALUES
+    rows = (dense_rows(a.repeats, a.only == "wgmma", ms) if a.only != "moe" else []) + (
         moe_rows(a.repeats) if a.only is None or a.only == "moe" else []
     )
     a.out.mkdir(parents=True, exist_ok=True)
