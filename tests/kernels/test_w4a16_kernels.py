@@ -579,10 +579,12 @@ hopper = pytest.mark.skipif(
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_wgmma_gemm_matches_reference(m, group, split_k, warps):
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_wgmma_gemm_matches_reference(m, group, split_k, warps, one_launch):
     """The Gluon warpgroup-MMA kernel: token tiles of 8 to 64 (M = 5 and 33 padded), N not a
     multiple of its 64 or 128 columns, per-weight scales (groups 32, 64) and per-step ones
-    (128), K split unevenly (8 steps in 3 parts), one warpgroup or two."""
+    (128), K split unevenly (8 steps in 3 parts), one warpgroup or two; launched plainly
+    (splits added into a zeroed output) or dependently (splits met in the workspace)."""
     bm = max(8, gemm_module._m_bucket(m))
     if warps == 8 and bm < 16:
         pytest.skip("two warpgroups take 16 tokens or more")
@@ -590,10 +592,11 @@ def test_wgmma_gemm_matches_reference(m, group, split_k, warps):
     w = make_weight((n, k), group, True, seed=group + m)
     x = make_x(m, k, seed=m)
     cfg = GemmConfig("wgmma", bm, 64 * warps // 4, 128, split_k, warps, 8 if split_k > 1 else 4,
-                     counted=False, pdl=0)  # fmt: skip
+                     counted=one_launch, pdl=int(one_launch))  # fmt: skip
     out = w4a16_matmul(x, w, cfg)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert rel_l2(out, w4a16_matmul_reference(x, w)) <= REL_L2, cfg
+    assert workspace_is_zero(), cfg
 
 
 @gpu
@@ -601,13 +604,16 @@ def test_wgmma_gemm_matches_reference(m, group, split_k, warps):
 @pytest.mark.parametrize("m", [8, 16, 64])
 @pytest.mark.parametrize("n,k,group", [(2112, 7168, 32), (16384, 7168, 128)])
 def test_wgmma_candidates_real_shapes(m, n, k, group):
-    """Every tile the tuner offers the Gluon kernel at the decode slice's fused q_a + kv_a and
-    at the target shape, its K splits added into a zeroed output or met in the workspace
-    (which every call leaves zero)."""
+    """Every tile the tuner offers the Gluon kernel at the target shape, its K splits added
+    into a zeroed output or met in the workspace (which every call leaves zero); none at the
+    decode slice's group-32 fused q_a + kv_a (held back: docs/kernels-int4.md, v14)."""
     w = make_weight((n, k), group, True, seed=n)
     x = make_x(m, k, seed=m)
     ref = w4a16_matmul_reference(x, w)
     cfgs = gemm_module._wgmma_candidates(x, w)
+    if group < 128:
+        assert not cfgs
+        return
     assert any(c.counted and c.split_k > 1 for c in cfgs)
     for cfg in cfgs:
         assert rel_l2(w4a16_matmul(x, w, cfg), ref) <= REL_L2, cfg
