@@ -145,7 +145,57 @@ def wgmma_report(
     atomics = collections.Counter(re.findall(r"\b((?:REDG|ATOMG)\.E\.[A-Z0-9]+)", sass))
     return {"resources": resources(cubin), "shared": shared, "mma_waits": waits,
             "loop": dict(collections.Counter(_opcode(t) for t in loop)),
-            "atomics": dict(atomics)}  # fmt: skip
+            "atomics": dict(atomics),
+            "a_operand_hazards": register_operand_hazards(cubin)}  # fmt: skip
+
+
+# opcodes that write no general register first (stores, barriers, branches, waits, MMAs'
+# accumulators, which chain in order)
+_NO_REGISTER_WRITE = re.compile(
+    r"^(ST|RED|BAR|BRA|EXIT|WARPGROUP|DEPBAR|LDGDEPBAR|LDGSTS|FENCE|MEMBAR|HGMMA|QGMMA|NOP|"
+    r"ISETP|FSETP|HSETP|PLOP3|U[A-Z0-9]*|SYNCS|ARRIVES|CCTL|YIELD|BSSY|BSYNC|WARPSYNC|CALL|RET)"
+)
+
+
+def _written_registers(text: str) -> set[int]:
+    """The general registers an instruction writes (its first operand, with the width its
+    modifiers give), as cuobjdump prints it."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, operands = body.partition(" ")
+    if _NO_REGISTER_WRITE.match(op):
+        return set()
+    first = re.match(r"\s*R(\d+)\b", operands)
+    if not first:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def register_operand_hazards(cubin: Path) -> list[str]:
+    """Writes to a register that a warpgroup MMA still in flight reads as its A operand: PTX
+    leaves undefined what such an MMA reads. The loop holding the MMAs is walked twice (its
+    back edge included); each ``HGMMA`` with a register A operand (``R<a>``: four registers)
+    stays in flight until a ``WARPGROUP.DEPBAR.LE gsb0, n`` leaves at most ``n`` newer ones."""
+    loop = loop_instructions(cubin, innermost_with="HGMMA")
+    in_flight: list[tuple[str, set[int]]] = []
+    hazards = []
+    for text in loop + loop:
+        body = re.sub(r"^@!?U?P\w+\s+", "", text)
+        wait = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\w+)", body)
+        if wait:
+            keep = int(wait.group(1), 16)
+            in_flight = in_flight[len(in_flight) - keep:] if keep else []
+            continue
+        mma = re.match(r"[HQ]GMMA\S* R\d+, R(\d+),", body)
+        if mma:
+            in_flight.append((body, set(range(int(mma.group(1)), int(mma.group(1)) + 4))))
+            continue
+        clobbered = _written_registers(body)
+        for mma_text, regs in in_flight:
+            if clobbered & regs:
+                hazards.append(f"{body.split(' ')[0]} writes R{min(clobbered & regs)} "
+                               f"read by {mma_text.split(',')[1].strip()} in flight")  # fmt: skip
+    return sorted(set(hazards))
 
 
 def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:

@@ -702,8 +702,10 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
 
     Groups smaller than a step (the models' group-32 linears) are not offered: repeated on
     fresh inputs, their tiles with 8 or more K splits returned an element short of one part
-    in 15 of 720 runs, whichever way the splits met (docs/kernels-int4.md, v14); the Triton
-    tiles, clean in the same test, serve them until the cause is found."""
+    in 15 of 720 runs (docs/kernels-int4.md, v14). The cause, a step's decode rewriting the
+    registers the step before's MMAs were still reading, is fixed in the kernel and checked
+    on its SASS, but the fix has not run on a GPU: the Triton tiles serve these groups until
+    the same stress has passed on it."""
     m = x.shape[0]
     runs = (
         not interpreted() and m <= 64 and w.zeros is None and w.scales.dtype == torch.bfloat16

@@ -194,8 +194,9 @@ def w4a16_wgmma_kernel(
     ``PDL`` (a dependent launch) the words' first copies start before the kernel before has
     ended; the activations and the workspace are touched only after it has."""
     ONE_GROUP: gl.constexpr = GROUP % STEP == 0
-    # per-weight scales: the MMAs accumulate across steps, and one step's run while the next
-    # is decoded (with one group a step, its partial sum must be done before the scale)
+    # per-weight scales: the MMAs accumulate across steps, and one step's run through the
+    # next step's copies, loads and staging, up to its decode (with one group a step, its
+    # partial sum must be done before the scale)
     OVERLAP: gl.constexpr = not ONE_GROUP
     # the activations' slots: the MMAs', the next step's, and with OVERLAP the one the other
     # warpgroup's MMAs of the step before may still read
@@ -269,8 +270,13 @@ def w4a16_wgmma_kernel(
             acc += part * scale.to(gl.float32)[:, None]
         else:
             next_scale = _step_group_scales(s_ptr, nxt, n0, N, stride_sk, GROUP, BLOCK_N, a_l)
+            # the step before's MMAs read the decoded weights from the registers this decode
+            # writes: they finish first (PTX leaves undefined what an MMA in flight reads from
+            # a register written after it was issued; waiting only after the issue, as this
+            # kernel once did, let the next decode overwrite them: v14)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
             acc = _planes_product(words, neg_zero, scale, xs_all, base, acc, True, False)
-            acc = warpgroup_mma_wait(8, deps=(acc,))  # this step's eight stay in flight
+            acc = warpgroup_mma_wait(8, deps=(acc,))  # none waited for: the loop's value
         x, scale = next_x, next_scale
     acc = warpgroup_mma_wait(0, deps=(acc,))
     async_copy.wait_group(0)  # the copies past the last step
