@@ -42,7 +42,7 @@ from tessera.kernels.paged_decode_split import (
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
-from w4a16_sass import CUOBJDUMP, loop_opcodes, resources
+from w4a16_sass import CUOBJDUMP, loop_opcodes, register_operand_hazards, resources
 
 POINTERS = ("Q", "KV", "KV_SCALE", "seq_lens", "indptr", "indices", "part_out", "part_lse")
 SCALARS = ("sm_scale_log2e", "num_splits", "fixed_split_len", "head_blocks", "num_heads",
@@ -141,7 +141,8 @@ def gluon_report(
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
                 "loop": dict(loop_opcodes(path).most_common()),
-                "tile_loop": dict(loop_opcodes(path, mma).most_common())}  # fmt: skip
+                "tile_loop": dict(loop_opcodes(path, mma).most_common()),
+                "a_operand_hazards": register_operand_hazards(path, mma)}  # fmt: skip
 
 
 def main() -> None:

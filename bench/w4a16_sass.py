@@ -171,12 +171,13 @@ def _written_registers(text: str) -> set[int]:
     return set(range(int(first.group(1)), int(first.group(1)) + width))
 
 
-def register_operand_hazards(cubin: Path) -> list[str]:
+def register_operand_hazards(cubin: Path, mma: str = "HGMMA") -> list[str]:
     """Writes to a register that a warpgroup MMA still in flight reads as its A operand: PTX
     leaves undefined what such an MMA reads. The loop holding the MMAs is walked twice (its
-    back edge included); each ``HGMMA`` with a register A operand (``R<a>``: four registers)
-    stays in flight until a ``WARPGROUP.DEPBAR.LE gsb0, n`` leaves at most ``n`` newer ones."""
-    loop = loop_instructions(cubin, innermost_with="HGMMA")
+    back edge included); each MMA (``mma``: ``HGMMA`` or ``QGMMA``) with a register A
+    operand (``R<a>``: four registers) stays in flight until a ``WARPGROUP.DEPBAR.LE gsb0, n``
+    leaves at most ``n`` newer ones."""
+    loop = loop_instructions(cubin, innermost_with=mma)
     in_flight: list[tuple[str, set[int]]] = []
     hazards = []
     for text in loop + loop:

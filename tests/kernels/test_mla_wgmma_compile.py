@@ -126,9 +126,12 @@ def offline_build(script: str, call: str) -> dict:
 
 
 def _report(call: str) -> dict:
-    """``bench/mla_sass.py``'s report on a build, checked for wgmma and an SM's shared
-    memory."""
+    """``bench/mla_sass.py``'s report on a build, checked for wgmma, an SM's shared memory and
+    the MMAs' register operands."""
     built = offline_build("mla_sass", call)
     assert built["wgmma"], built
     assert built["shared"] <= SM90_SHARED_PER_BLOCK, built
+    # no register an MMA in flight reads as its A operand (the e4m3 kernels' P) is written
+    # before that MMA is waited for (the INT4 Gluon GEMM once lost parts of elements so)
+    assert built["a_operand_hazards"] == [], built
     return built
