@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
-from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_candidates
+from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_tiles
 from tessera.kernels.w4a16_moe import _candidates as moe_candidates
 from tessera.kernels.w4a16_moe import fused_moe, fused_moe_reference
 
@@ -53,7 +53,7 @@ def dense_rows(repeats: int, gluon_only: bool = False, ms: tuple = M_VALUES) -> 
         dense = dequantize(w, torch.float32).T.contiguous()  # [K, N]
         for m in ms:
             probe = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-            tiles = ([] if gluon_only else _candidates(m, n, k)) + _wgmma_candidates(probe, w)
+            tiles = ([] if gluon_only else _candidates(m, n, k)) + _wgmma_tiles(probe, w)
             for cfg in (c for c in tiles if c.split_k > 1):
                 errors = []
                 for _ in range(repeats):

@@ -694,22 +694,16 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     return out
 
 
-def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
+def _wgmma_tiles(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     """The Gluon kernel's tiles where it runs (sm_90, symmetric codes, bf16 scales, K a
-    multiple of its step, up to 64 tokens, groups of whole steps): one token tile of the M
-    bucket's size (from 8); one warpgroup with a ring of 4 or 8 slots, or from 16 tokens two
-    sharing the activations; each with the split counts of its tile count.
-
-    Groups smaller than a step (the models' group-32 linears) are not offered: repeated on
-    fresh inputs, their tiles with 8 or more K splits returned an element short of one part
-    in 15 of 720 runs (docs/kernels-int4.md, v14). The cause, a step's decode rewriting the
-    registers the step before's MMAs were still reading, is fixed in the kernel and checked
-    on its SASS, but the fix has not run on a GPU: the Triton tiles serve these groups until
-    the same stress has passed on it."""
+    multiple of its step, up to 64 tokens): one token tile of the M bucket's size (from 8); one
+    warpgroup with a ring of 4 or 8 slots, or from 16 tokens two sharing the activations; each
+    with the split counts of its tile count, launched plainly (splits added into a zeroed
+    output) and dependently (splits met in the workspace), side by side for the tuner."""
     m = x.shape[0]
     runs = (
         not interpreted() and m <= 64 and w.zeros is None and w.scales.dtype == torch.bfloat16
-        and w.k % STEP.value == 0 and w.group_size % STEP.value == 0
+        and w.k % STEP.value == 0
         and torch.cuda.get_device_capability(x.device) == (9, 0)
     )  # fmt: skip
     if not runs:
@@ -719,12 +713,22 @@ def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     for warps, stages in ((4, 4), (4, 8), (8, 4)) if bm >= 16 else ((4, 4), (4, 8)):
         bn = WG_COLUMNS.value * warps // 4
         for s in _split_counts(triton.cdiv(w.n, bn)):
-            # as it was (zeroed output, plain launch) and as the Triton tiles run (counted
-            # splits, dependent launch), side by side until one is measured the faster
             for one_launch in (False, True):
                 out.append(GemmConfig("wgmma", bm, bn, STEP.value, s, warps, stages,
                                       counted=one_launch, pdl=int(one_launch)))  # fmt: skip
     return out
+
+
+def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
+    """The Gluon tiles the tuner is offered: those of groups of whole steps.
+
+    Groups smaller than a step (the models' group-32 linears) are held back: repeated on fresh
+    inputs, their tiles with 8 or more K splits returned an element short of one part in 15 of
+    720 runs (docs/kernels-int4.md, v14). The cause, a step's decode rewriting the registers
+    the step before's MMAs were still reading, is fixed in the kernel and checked on its SASS,
+    but the fix has not run on a GPU: the Triton tiles serve these groups until the same
+    stress (``bench/w4a16_splitk_stress.py --only wgmma``, which takes every tile) passes."""
+    return [] if w.group_size % STEP.value else _wgmma_tiles(x, w)
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
