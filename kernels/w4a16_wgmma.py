@@ -21,7 +21,8 @@ program's one or two warpgroups.
 Scales: with a group of 128 or more the planes decode to ``code - zero`` and the scale
 multiplies the step's partial sum; with smaller groups each weight decodes to ``(code - zero)
 * scale`` (rows ``2 t`` and ``2 t + 1`` share a group) and the MMAs accumulate across steps,
-one step's eight running while the next step is decoded.
+one step's eight running through the next step's copies and staging, and waited for before its
+decode writes the registers they read.
 Symmetric weights (zero point 8) with bf16 scales; K a multiple of 128. Split K parts meet in
 the Triton tiles' self-resetting workspace and the last stores the result (one launch), or add
 into a zeroed fp32 output the caller casts (three launches). Launched dependently, the first
@@ -202,7 +203,8 @@ def w4a16_wgmma_kernel(
     # warpgroup's MMAs of the step before may still read
     X_SLOTS: gl.constexpr = 2 + OVERLAP
     # steps whose words are copied ahead of the one computed: with OVERLAP one less, which
-    # timed 2-12% faster than a full ring ahead (docs/kernels-int4.md, v13)
+    # timed 2-12% faster than a full ring ahead with the earlier overlap (docs/kernels-int4.md,
+    # v13; the fixed one, v14, not yet timed)
     AHEAD: gl.constexpr = STAGES - 1 - OVERLAP
     WARPS: gl.constexpr = gl.num_warps()
     WG: gl.constexpr = WARPS // 4
