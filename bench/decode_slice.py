@@ -39,6 +39,7 @@ are interleaved and paired; a full step is ``rest + layers x moe_layers / slice_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.metadata
@@ -103,7 +104,7 @@ from tessera.kernels.paged_decode_bf16 import (
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels.w4a16_gemm import _TUNED, w4a16_matmul, w4a16_matmul_reference
+from tessera.kernels.w4a16_gemm import _TUNED, capture_graph, w4a16_matmul, w4a16_matmul_reference
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
 
@@ -811,14 +812,36 @@ class ReferenceOps(KernelOps):
 
 
 class SliceStep:
-    """One GPU's decode step over ``batch``; ``ops`` picks the kernels or the reference."""
+    """One GPU's decode step over ``batch``; ``ops`` picks the kernels or the reference.
+
+    With a ``side`` stream the step overlaps what SGLang 0.5.23's CUDA-graph decode overlaps in
+    DeepSeek-style models (``deepseek_v2.py``, ``forward_mla.py``: on CUDA its ``alt_stream``,
+    used in capture mode): the kv_a norm beside the q_a norm; in DSA models (GLM 5) the q_b
+    projection beside the indexer; the shared expert beside the router and the routed experts
+    (Kimi K2 and GLM 5 do not fuse it into the experts). Each piece is forked where SGLang
+    forks it and joined before its output is used; the side stream's tensors are freed only
+    after a later fork, so no allocation is reused while the other stream reads it."""
 
     def __init__(self, shape: SliceShape, common: Common, weights: Weights,
                  dense_caches: list[KVCache], moe_caches: list[KVCache], batch: Batch,
-                 routing: list[LayerRouting], ops: KernelOps) -> None:  # fmt: skip
+                 routing: list[LayerRouting], ops: KernelOps,
+                 side: torch.cuda.Stream | None = None) -> None:  # fmt: skip
         self.s, self.common, self.w = shape, common, weights
         self.dense_caches, self.moe_caches = dense_caches, moe_caches
-        self.batch, self.routing, self.ops = batch, routing, ops
+        self.batch, self.routing, self.ops, self.side = batch, routing, ops, side
+
+    def fork(self) -> None:
+        """The side stream waits for what the current one has issued so far."""
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream())
+
+    def beside(self) -> contextlib.AbstractContextManager:
+        """Issue on the side stream (on the current one without a side stream)."""
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def join(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
 
     def attention(self, a: Attention, cache: KVCache, x: torch.Tensor,
                   delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -827,11 +850,21 @@ class SliceStep:
         s, ops, n = self.s, self.ops, x.shape[0]
         x, h = ops.norm(x, delta, a.norm)
         qkv = ops.linear(h, a.qkv_a)
+        self.fork()
         q_c = ops.norm(qkv[:, : s.q_lora], None, a.q_norm)[1]
-        kv_c = ops.norm(qkv[:, s.q_lora : s.q_lora + s.kv_lora], None, a.kv_norm)[1]
-        for lin, src in zip(a.indexer, (q_c, h, h), strict=False):  # the indexer's GEMMs only
-            ops.linear(src, lin)
-        q = ops.linear(q_c, a.q_b).view(n, s.heads, s.qk_nope + s.rope)
+        with self.beside():
+            kv_c = ops.norm(qkv[:, s.q_lora : s.q_lora + s.kv_lora], None, a.kv_norm)[1]
+        self.join()
+        if a.indexer:  # DSA: the indexer's GEMMs (only), with q_b beside them
+            self.fork()
+            for lin, src in zip(a.indexer, (q_c, h, h), strict=True):
+                ops.linear(src, lin)
+            with self.beside():
+                q = ops.linear(q_c, a.q_b)
+            self.join()
+        else:
+            q = ops.linear(q_c, a.q_b)
+        q = q.view(n, s.heads, s.qk_nope + s.rope)
         q_mla = torch.empty(n, s.heads, s.latent_dim, dtype=torch.bfloat16, device=x.device)
         q_mla[..., : s.kv_lora] = torch.bmm(q[..., : s.qk_nope].transpose(0, 1), a.w_kc).transpose(
             0, 1
@@ -860,11 +893,14 @@ class SliceStep:
         r = self.routing[i]
         x, o = self.attention(attn, self.moe_caches[i], x, delta)
         x, h = self.ops.norm(x, o, moe.norm)
+        self.fork()
         logits = self.ops.router_logits(h, moe.router)
         # its selection; the drawn routing replaces it
         self.ops.select_experts(logits, moe.router_bias, self.s.top_k)
-        shared = self.mlp(moe.shared, h)
         routed = self.ops.moe(h.index_select(0, r.tokens), moe.experts, r)
+        with self.beside():
+            shared = self.mlp(moe.shared, h)
+        self.join()
         return x, shared.index_add_(0, r.tokens, routed)
 
     def embed(self) -> torch.Tensor:
@@ -910,12 +946,7 @@ class SliceStep:
 
 def capture(fn: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``fn`` after warm-up calls (compilation and tuning stay outside)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, warmup)
     graph.replay()
     torch.cuda.synchronize()
     return graph
@@ -1015,6 +1046,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     }  # fmt: skip
     print(f"[{name}] weights built in {info['weights_built_s']} s", flush=True)
     routing = RoutingDraws(shape, args.slice_layers, device)
+    side = torch.cuda.Stream(device) if args.streams == "two" else None
     rows = []
     for w, kv in CONFIGS:
         plan = pool_plan(name, w, kv)
@@ -1035,7 +1067,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             batch = build_batch(context_lengths(c), plan.pages, shape.vocab_shard, c, device)
             ops = KernelOps(sglang, args.flashmla, args.marlin, args.deepgemm, args.tiny_gemms)
             step = SliceStep(shape, common, weights[w], dense_caches, moe_caches, batch,
-                             routing[c], ops)  # fmt: skip
+                             routing[c], ops, side)  # fmt: skip
             x_in = Gen(device, seed=c).randn(c, shape.hidden)
             d_in = Gen(device, seed=c + 1).randn(c, shape.hidden)  # the last dense layer's output
             if w == "fp8":
@@ -1277,6 +1309,9 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "router": "SGLang's Triton router (moe_fused_gate); logits by its tiny GEMM (JIT-built) up "
                   f"to {TINY_GEMM_MAX_M} rows for {sorted(args.tiny_gemms)} ([N, K]), else "
                   "cuBLAS bf16 -> fp32",
+        "streams": "two, as SGLang's CUDA-graph decode: the kv_a norm, GLM's q_b projection "
+                   "and the shared expert on a second stream"
+        if args.streams == "two" else "one (every launch in order on one stream)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1397,6 +1432,10 @@ def main() -> None:
     ap.add_argument("--sglang-jit-dir", type=Path,
                     help="folder of SGLang's JIT kernels built by bench/sglang_jit_build.py: "
                          "Marlin's (for --int4-* marlin) and the router GEMM's")  # fmt: skip
+    ap.add_argument("--streams", choices=("two", "one"), default="two",
+                    help="two: the kv_a norm, GLM's q_b projection and the shared expert on a "
+                         "second stream, as SGLang's CUDA-graph decode runs them; one: every "
+                         "launch on one stream (the runs before this option)")  # fmt: skip
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from tessera.kernels.w4a16_gemm import capture_graph
 
 
 def graph_time_us(calls: Callable[[int], object], sets: int, replays: int = 9) -> float:
@@ -14,13 +15,12 @@ def graph_time_us(calls: Callable[[int], object], sets: int, replays: int = 9) -
     with ``i`` cycling over ``sets`` input sets. Warm-up (compilation, autotuning) runs first,
     outside the capture."""
     per_graph = max(sets, 12)
-    for i in range(sets):
-        calls(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def cycle() -> None:
         for i in range(per_graph):
             calls(i % sets)
+
+    graph = capture_graph(cycle)
     graph.replay()
     torch.cuda.synchronize()
     times = []

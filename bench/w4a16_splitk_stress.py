@@ -10,8 +10,14 @@ clear one. This runs every such config the tuners may pick for the decode shapes
 ``--repeats`` times, each on a fresh activation (the MoE: and a fresh routing), and counts
 outputs whose rel-L2 against the fp32 reference exceeds 5e-3.
 
-    python bench/w4a16_splitk_stress.py [--repeats 100] [--only dense|moe|wgmma] [--out DIR]
-        [--tag _counted]
+``--only streams`` runs the pattern of SGLang's CUDA-graph decode instead: a Kimi K2 EP-8 GPU's
+routed experts on one stream and its share of the shared expert (two dense GEMMs) on a second,
+forked and joined as SGLang does, every launch a counted split. With ``--one-workspace`` both
+streams take the first stream's workspace, as every stream did before the workspace was made
+per stream: what that cost.
+
+    python bench/w4a16_splitk_stress.py [--repeats 100] [--only dense|moe|wgmma|streams]
+        [--one-workspace] [--out DIR] [--tag _counted]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tessera.kernels import w4a16_gemm, w4a16_moe
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_tiles
 from tessera.kernels.w4a16_moe import _candidates as moe_candidates
@@ -108,20 +115,86 @@ def moe_rows(repeats: int) -> list[dict]:
     return rows
 
 
+def stream_rows(repeats: int, one_workspace: bool) -> list[dict]:
+    """The routed experts (48 local of 384, top 8, one token: 8 pairs) on the current stream and
+    the shared expert's up (512 x 7168) and down (7168 x 256) GEMMs on a second stream, both
+    issued after one fork and joined after, ``repeats`` times on 8 cycled input sets; every
+    output is checked against its reference."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    if one_workspace:  # both streams look their buffer up as the first stream
+        original = w4a16_gemm.counted_workspace
+
+        def first_streams(device: torch.device, sums: int, counts: int) -> tuple:
+            with torch.cuda.stream(main):
+                return original(device, sums, counts)
+
+        w4a16_gemm.counted_workspace = w4a16_moe.counted_workspace = first_streams
+    experts, hidden, inter, top_k, shared = 48, 7168, 2048, 8, 256
+    w13 = random_experts(experts, 2 * inter, hidden, 32)
+    w2 = random_experts(experts, hidden, inter, 32)
+    up = quantize_rtn(torch.randn(2 * shared, hidden, device="cuda") / hidden**0.5, 32)
+    down = quantize_rtn(torch.randn(hidden, shared, device="cuda") / shared**0.5, 32)
+
+    def counted_split(configs: list) -> object:
+        return next(c for c in configs if c.split_k > 1 and getattr(c, "counted", True))
+
+    moe_cfg = counted_split(moe_candidates(top_k, experts, 2 * inter))
+    up_cfg, down_cfg = (counted_split(_candidates(1, w.n, w.k)) for w in (up, down))
+    up_ref, down_ref = (dequantize(w, torch.float32).T for w in (up, down))
+    sets = []
+    for _ in range(8):
+        x = torch.randn(1, hidden, device="cuda").bfloat16()
+        h = torch.randn(1, shared, device="cuda").bfloat16()  # the down GEMM's input
+        ids = torch.randperm(experts, device="cuda")[:top_k].unsqueeze(0)
+        weights = torch.rand(1, top_k, device="cuda").softmax(-1)
+        used = ids.unique()
+        moe_ref = fused_moe_reference(
+            x, W4A16Weight(w13.qweight[used], w13.scales[used], None, 32),
+            W4A16Weight(w2.qweight[used], w2.scales[used], None, 32), weights,
+            torch.searchsorted(used, ids),
+        )  # fmt: skip
+        sets.append((x, ids, weights, h, moe_ref, x.float() @ up_ref, h.float() @ down_ref))
+    outs = []
+    for i in range(repeats):
+        x, ids, weights, h, *_ = sets[i % len(sets)]
+        side.wait_stream(main)
+        routed = fused_moe(x, w13, w2, weights, ids, configs=(moe_cfg, moe_cfg))
+        with torch.cuda.stream(side):
+            shared_up, shared_down = _run(x, up, up_cfg), _run(h, down, down_cfg)
+        main.wait_stream(side)
+        outs.append((routed, shared_up, shared_down))
+    torch.cuda.synchronize()
+    errors = {"routed": [], "shared_up": [], "shared_down": []}
+    for i, got in enumerate(outs):
+        for name, out, ref in zip(errors, got, sets[i % len(sets)][4:], strict=True):
+            errors[name].append(rel_l2(out, ref))
+    rows = []
+    label = "one workspace" if one_workspace else "a workspace per stream"
+    for (name, errs), cfg in zip(errors.items(), (moe_cfg, up_cfg, down_cfg), strict=True):
+        tally(rows, f"two streams, {label}: {name}", repeats, errs, output=name,
+              one_workspace=one_workspace, config=asdict(cfg))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--m", help="the dense GEMM's token counts, comma-separated")
-    ap.add_argument("--only", choices=["dense", "moe", "wgmma"],
-                    help="run one half, or the dense GEMM's Gluon tiles alone")
+    ap.add_argument("--only", choices=["dense", "moe", "wgmma", "streams"],
+                    help="run one half, the dense GEMM's Gluon tiles alone, or two streams")
+    ap.add_argument("--one-workspace", action="store_true",
+                    help="with --only streams: both streams share one workspace")
     a = ap.parse_args()
     torch.manual_seed(0)
     ms = tuple(int(v) for v in a.m.split(",")) if a.m else M_VALUES
-    rows = (dense_rows(a.repeats, a.only == "wgmma", ms) if a.only != "moe" else []) + (
-        moe_rows(a.repeats) if a.only is None or a.only == "moe" else []
-    )
+    if a.only == "streams":
+        rows = stream_rows(a.repeats, a.one_workspace)
+    else:
+        rows = (dense_rows(a.repeats, a.only == "wgmma", ms) if a.only != "moe" else []) + (
+            moe_rows(a.repeats) if a.only is None or a.only == "moe" else []
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     total = sum(r["bad"] for r in rows)
     result = {"gpu": torch.cuda.get_device_name(), "tolerance": TOLERANCE, "bad_total": total,

@@ -45,6 +45,7 @@ from .w4a16_wgmma import STEP, WG_COLUMNS, w4a16_wgmma_kernel
 
 __all__ = [
     "GemmConfig",
+    "capture_graph",
     "counted_workspace",
     "interpreted",
     "tune_cached",
@@ -756,32 +757,63 @@ def w4a16_dequantize(w: W4A16Weight) -> torch.Tensor:
     return out
 
 
-_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
+_WORKSPACES: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
 def counted_workspace(device: torch.device, sums: int, counts: int) -> tuple[torch.Tensor, ...]:
     """fp32 ``sums`` and int32 ``counts`` for kernels whose parts meet in one launch
-    (:func:`_add_counted`): zero, and zero again after each such launch, so one buffer per device
-    serves every call in stream order, with no zeroing launch. Calls on one device must not
-    overlap in time (SGLang's forward runs them on one stream; Marlin's workspace assumes the
-    same).
+    (:func:`_add_counted`): zero, and zero again after each such launch, so one buffer serves
+    every call in stream order, with no zeroing launch.
 
-    The buffer grows (to twice the size) only outside CUDA-graph capture, and no buffer is ever
-    freed: a captured graph keeps the addresses it was captured with."""
+    One buffer per stream: kernels on two streams may run at once and must not meet in one
+    buffer. SGLang's CUDA-graph decode does this to DeepSeek-style models: the shared expert on
+    a second stream beside the router and the routed experts, and for DSA models (GLM 5) the
+    q_b projection beside the indexer.
+
+    A buffer grows (to twice the size) only outside CUDA-graph capture, and none is ever
+    freed: a captured graph keeps the addresses it was captured with. So each batch size must
+    run once on a stream before a graph is captured on it (:func:`capture_graph` does; SGLang
+    warms up on its capture stream and its second stream before capturing)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buffers = _WORKSPACES.setdefault(device, [])
+    stream = 0
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch.cuda.current_stream(device).cuda_stream
+    buffers = _WORKSPACES.setdefault((device, stream), [])
     if not buffers or buffers[-1].numel() < sums + counts:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"the W4A16 workspace on {device} must grow to {sums + counts} elements while a "
-                "CUDA graph is being captured: run this batch size once before capturing"
+                f"the W4A16 workspace of stream {stream:#x} on {device} must grow to "
+                f"{sums + counts} elements while a CUDA graph is being captured: run this batch "
+                "size once on the capturing stream before capturing"
             )
         size = max(sums + counts, 2 * buffers[-1].numel() if buffers else 1 << 16)
         buffers.append(torch.zeros(size, dtype=torch.float32, device=device))
     buf = buffers[-1]
     return buf[:sums], buf[sums : sums + counts].view(torch.int32)
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_graph(fn: Callable[[], object], warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn``, warmed up (compiled, tuned, workspaces sized) and captured on one
+    side stream of the current device: the workspace is per stream, so a graph must be captured
+    on the stream it was warmed up on. Replay it on any stream."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _CAPTURE_STREAMS[device]
+    stream.wait_stream(torch.cuda.current_stream(device))  # after what ran before, e.g. replays
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph
 
 
 def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
@@ -859,13 +891,13 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
     choices became noise)."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
-    fn()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def flushed_calls() -> None:
         for _ in range(calls):
             flush.max()
             fn()
+
+    graph = capture_graph(flushed_calls)
     graph.replay()
     times = []
     for _ in range(replays):

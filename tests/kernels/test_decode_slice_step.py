@@ -51,9 +51,11 @@ STEP_TOL = {"fp8": 0.12, "int4": 3e-2}
 LAYER_TOL = {"fp8": 4e-2, "int4": 1e-2}
 
 
-def _pair(weights: str, kv: str, sglang) -> tuple[ds.SliceStep, ds.SliceStep]:
-    """The slice step on the kernels and on the reference, over equal copies of one KV pool."""
-    device = torch.device("cpu")
+def _pair(weights: str, kv: str, sglang, device: str = "cpu",
+          side: torch.cuda.Stream | None = None) -> tuple[ds.SliceStep, ds.SliceStep]:  # fmt: skip
+    """The slice step on the kernels (with ``side``, two streams) and on the reference, over
+    equal copies of one KV pool."""
+    device = torch.device(device)
     gen = ds.Gen(device, seed=5)
     common = ds.build_common(TINY, gen)
     w = ds.build_weights(TINY, weights, 32, moe_layers=2, gen=gen)
@@ -61,7 +63,7 @@ def _pair(weights: str, kv: str, sglang) -> tuple[ds.SliceStep, ds.SliceStep]:
     moe = [ds.new_cache(POOL_PAGES, TINY.latent_dim, kv, gen) for _ in range(2)]
     batch = ds.build_batch(LENGTHS, POOL_PAGES, TINY.vocab_shard, seed=3, device=device)
     routing = ds.layer_routings(TINY, len(LENGTHS), 2, seed=7, device=device)
-    step = ds.SliceStep(TINY, common, w, dense, moe, batch, routing, ds.KernelOps(sglang))
+    step = ds.SliceStep(TINY, common, w, dense, moe, batch, routing, ds.KernelOps(sglang), side)
     ref = ds.SliceStep(
         TINY, common, w, [_clone(c) for c in dense], [_clone(c) for c in moe], batch, routing,
         ds.ReferenceOps(sglang),
@@ -110,6 +112,27 @@ def test_each_layer_matches_torch_reference(weights: str, kv: str, sglang) -> No
         ref_res, expected = getattr(ref, layer)(0, x, delta)
         assert ds.rel_l2(res, ref_res) < LAYER_TOL[weights], layer
         assert ds.rel_l2(out, expected) < LAYER_TOL[weights], layer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights,kv", CONFIGS)
+def test_two_stream_layers_in_a_graph_match_torch_reference(weights: str, kv: str, sglang) -> None:
+    """The MoE layers with SGLang's second stream (the kv_a norm, the DSA q_b projection and
+    the shared expert beside the rest), captured in a CUDA graph as the benchmark times them,
+    against the reference on one stream."""
+    device = torch.device("cuda")
+    step, ref = _pair(weights, kv, sglang, "cuda", torch.cuda.Stream())
+    x = ds.Gen(device, seed=9).randn(len(LENGTHS), TINY.hidden)
+    delta = ds.Gen(device, seed=10).randn(len(LENGTHS), TINY.hidden)
+    outs = []
+    graph = ds.capture(lambda: outs.append(step.layers(x, delta)))
+    graph.replay()
+    torch.cuda.synchronize()
+    res, out = outs[-1]
+    ref_res, expected = ref.layers(x, delta)
+    assert ds.rel_l2(res, ref_res) < STEP_TOL[weights]
+    assert ds.rel_l2(out, expected) < STEP_TOL[weights]
 
 
 def test_integrity_state_checks_clean_and_flags_a_reused_page() -> None:

@@ -15,6 +15,7 @@ from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
 from tessera.kernels.w4a16_gemm import (
     GemmConfig,
     _candidates,
+    capture_graph,
     counted_workspace,
     w4a16_dequantize,
     w4a16_matmul,
@@ -554,17 +555,58 @@ def test_ptx_decode_matches_plain_decode(group, symmetric, m):
 
 @gpu
 @needs_gpu
-def test_workspace_does_not_grow_inside_a_graph_capture():
-    """A graph keeps the workspace address it was captured with, so the buffer may only grow
-    before a capture; growing inside one says what to do instead."""
+def test_workspace_is_per_stream_and_grows_only_before_a_capture():
+    """Kernels on two streams may run at once (SGLang's decode graphs run the shared expert on a
+    second stream beside the routed experts), so each stream has its own buffer. A graph keeps
+    the addresses it was captured with, so a buffer may only grow before a capture on its
+    stream; growing inside one says what to do instead."""
     device = torch.device("cuda", torch.cuda.current_device())
-    counted_workspace(device, 1, 1)
-    size = gemm_module._WORKSPACES[device][-1].numel()
+    side = torch.cuda.Stream(device)
+    first = counted_workspace(device, 1, 1)[0]
+    with torch.cuda.stream(side):
+        second = counted_workspace(device, 1, 1)[0]
+    assert first.data_ptr() != second.data_ptr()
+    key = (device, side.cuda_stream)
+    size = gemm_module._WORKSPACES[key][-1].numel()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="run this batch size once before capturing"):
-        with torch.cuda.graph(graph):
+    with pytest.raises(RuntimeError, match="once on the capturing stream before capturing"):
+        with torch.cuda.graph(graph, stream=side):
             counted_workspace(device, 2 * size, 0)
-    assert gemm_module._WORKSPACES[device][-1].numel() == size
+    assert gemm_module._WORKSPACES[key][-1].numel() == size
+
+
+@gpu
+@needs_gpu
+def test_counted_splits_on_two_streams_at_once_match_reference():
+    """SGLang's decode pattern: a fused MoE on one stream and two dense GEMMs on a second,
+    forked and joined each time, every launch a counted K split, in a captured graph (whose
+    warm-up and capture share one stream, :func:`capture_graph`) replayed many times."""
+    w13, w2, x, ids, weights = moe_case(16, 1024, 512, 1, 4, 32, 32, True, seed=21)
+    up, down = make_weight((256, 1024), 32, True, seed=22), make_weight((1024, 512), 32, True, 23)
+    h = make_x(1, 512, seed=24)
+    split, dense = MoeConfig(block_m=8, block_n=64, swap=True, split_k=4), GemmConfig(split_k=4)
+    side = torch.cuda.Stream()
+    outs = []
+
+    def step() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        routed = fused_moe(x, w13, w2, weights, ids, configs=(split, split))
+        with torch.cuda.stream(side):
+            got = (w4a16_matmul(x, up, dense), w4a16_matmul(h, down, dense))
+        main.wait_stream(side)
+        outs.append((routed, *got))
+
+    graph = capture_graph(step)
+    routed, shared_up, shared_down = outs[-1]
+    refs = (fused_moe_reference(x, w13, w2, weights, ids),
+            w4a16_matmul_reference(x, up), w4a16_matmul_reference(h, down))  # fmt: skip
+    for _ in range(200):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref in zip((routed, shared_up, shared_down), refs, strict=True):
+            assert rel_l2(out, ref) <= REL_L2
+    assert workspace_is_zero()
 
 
 hopper = pytest.mark.skipif(
