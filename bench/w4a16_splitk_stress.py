@@ -83,6 +83,22 @@ def random_experts(experts: int, n: int, k: int, group: int) -> W4A16Weight:
                        torch.cat([p.scales for p in parts]), None, group)  # fmt: skip
 
 
+def routed_case(w13: W4A16Weight, w2: W4A16Weight, tokens: int, top_k: int) -> tuple:
+    """A fresh activation and random routing over the experts of ``w13`` and ``w2``, and the
+    MoE's fp32 reference (on the used experts only: all of them dequantized would not fit)."""
+    experts, hidden = w13.qweight.shape[0], w13.k
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
+    used = ids.unique()
+    ref = fused_moe_reference(
+        x, W4A16Weight(w13.qweight[used], w13.scales[used], None, 32),
+        W4A16Weight(w2.qweight[used], w2.scales[used], None, 32), weights,
+        torch.searchsorted(used, ids),
+    )  # fmt: skip
+    return x, weights, ids, ref
+
+
 def moe_rows(repeats: int) -> list[dict]:
     rows = []
     for experts, hidden, inter, top_k, tokens in MOE_CASES:
@@ -96,16 +112,7 @@ def moe_rows(repeats: int) -> list[dict]:
         for cfg in configs:
             errors = []
             for _ in range(repeats):
-                x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-                ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
-                                   for _ in range(tokens)])  # fmt: skip
-                weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
-                used = ids.unique()
-                ref = fused_moe_reference(
-                    x, W4A16Weight(w13.qweight[used], w13.scales[used], None, 32),
-                    W4A16Weight(w2.qweight[used], w2.scales[used], None, 32), weights,
-                    torch.searchsorted(used, ids),
-                )  # fmt: skip
+                x, weights, ids, ref = routed_case(w13, w2, tokens, top_k)
                 errors.append(rel_l2(fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg)),
                                      ref))  # fmt: skip
             tile = f"{cfg.path} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}"
@@ -143,20 +150,12 @@ def stream_rows(repeats: int, one_workspace: bool) -> list[dict]:
     up_ref, down_ref = (dequantize(w, torch.float32).T for w in (up, down))
     sets = []
     for _ in range(8):
-        x = torch.randn(1, hidden, device="cuda").bfloat16()
+        x, weights, ids, moe_ref = routed_case(w13, w2, 1, top_k)
         h = torch.randn(1, shared, device="cuda").bfloat16()  # the down GEMM's input
-        ids = torch.randperm(experts, device="cuda")[:top_k].unsqueeze(0)
-        weights = torch.rand(1, top_k, device="cuda").softmax(-1)
-        used = ids.unique()
-        moe_ref = fused_moe_reference(
-            x, W4A16Weight(w13.qweight[used], w13.scales[used], None, 32),
-            W4A16Weight(w2.qweight[used], w2.scales[used], None, 32), weights,
-            torch.searchsorted(used, ids),
-        )  # fmt: skip
-        sets.append((x, ids, weights, h, moe_ref, x.float() @ up_ref, h.float() @ down_ref))
+        sets.append((x, weights, ids, h, moe_ref, x.float() @ up_ref, h.float() @ down_ref))
     outs = []
     for i in range(repeats):
-        x, ids, weights, h, *_ = sets[i % len(sets)]
+        x, weights, ids, h, *_ = sets[i % len(sets)]
         side.wait_stream(main)
         routed = fused_moe(x, w13, w2, weights, ids, configs=(moe_cfg, moe_cfg))
         with torch.cuda.stream(side):
