@@ -55,11 +55,25 @@ class Marlin:
         self.moe = load("moe", "moe_wna16_marlin_gemm")
         self.repack = load("repack", "gptq_marlin_repack")
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.workspace = torch.zeros(self.sms * 4, dtype=torch.int32, device="cuda")
+        self.workspaces: dict[int, torch.Tensor] = {}  # a lock array per stream (workspace())
         self.none_bf16 = torch.empty(0, dtype=torch.bfloat16, device="cuda")
         self.none_i32 = torch.empty(0, dtype=torch.int32, device="cuda")
         self.none_f32 = torch.empty(0, dtype=torch.float32, device="cuda")
         self.counts: dict[tuple, torch.Tensor] = {}  # the padded row count a size (align)
+
+    def workspace(self) -> torch.Tensor:
+        """Marlin's lock array, zero before and after each launch. SGLang gives every layer its
+        own; the decode slice runs layers' kernels on two streams at once (SGLang's second
+        stream), so here there is one per stream, made before any graph is captured on it."""
+        stream = torch.cuda.current_stream().cuda_stream
+        if stream not in self.workspaces:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"no Marlin workspace for stream {stream:#x}, which is capturing a CUDA "
+                    "graph: run once on it before capturing"
+                )
+            self.workspaces[stream] = torch.zeros(self.sms * 4, dtype=torch.int32, device="cuda")
+        return self.workspaces[stream]
 
     def from_ours(self, w: W4A16Weight) -> tuple[torch.Tensor, torch.Tensor]:
         """Our symmetric INT4 weight (dense ``[K / 8, N]`` or experts ``[E, K / 8, N]``) in
@@ -86,7 +100,7 @@ class Marlin:
             c_tmp = torch.empty(self.sms * min(triton.cdiv(m, 16) * 16, 64) * 256,
                                 dtype=torch.float32, device="cuda")  # fmt: skip
         self.dense(x, codes, scales, self.none_bf16, self.none_i32, self.none_i32,
-                   self.none_i32, out, c_tmp, self.none_bf16, self.workspace, MARLIN_UINT4B8,
+                   self.none_i32, out, c_tmp, self.none_bf16, self.workspace(), MARLIN_UINT4B8,
                    True, atomic, True, False)  # fmt: skip
         return out
 
@@ -108,7 +122,7 @@ class Marlin:
         m, k = x.shape
         n = scales.shape[-1]
         self.moe(x, out, codes, self.none_bf16, scales, self.none_bf16, self.none_bf16,
-                 self.none_i32, self.none_i32, self.workspace, sorted_ids, block_experts, count,
+                 self.none_i32, self.none_i32, self.workspace(), sorted_ids, block_experts, count,
                  weights, self.none_bf16, self.none_f32, block, top_k, mul_weights, False,
                  MARLIN_UINT4B8, m, n, k, False, False, True, False, k // group, group, True,
                  True, False)  # fmt: skip
