@@ -1051,6 +1051,8 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     for w, kv in CONFIGS:
         plan = pool_plan(name, w, kv)
         info["pools"][f"{w}/{kv}"] = vars(plan) | {"pages": plan.pages}
+        if f"{w}/{kv}" not in args.configs:
+            continue
         levels = timed_levels(args.concurrency, plan.pages, args.exact_max_cap)
         for c in args.concurrency:
             if c not in levels:
@@ -1432,6 +1434,9 @@ def main() -> None:
     ap.add_argument("--sglang-jit-dir", type=Path,
                     help="folder of SGLang's JIT kernels built by bench/sglang_jit_build.py: "
                          "Marlin's (for --int4-* marlin) and the router GEMM's")  # fmt: skip
+    ap.add_argument("--configs", default=",".join(f"{w}/{kv}" for w, kv in CONFIGS),
+                    help="the weights/KV configurations to time, e.g. fp8/fp8_e4m3,int4/fp8_e4m3 "
+                         "(INT4 vs FP8 weights alone)")  # fmt: skip
     ap.add_argument("--streams", choices=("two", "one"), default="two",
                     help="two: the kv_a norm, GLM's q_b projection and the shared expert on a "
                          "second stream, as SGLang's CUDA-graph decode runs them; one: every "
@@ -1440,6 +1445,10 @@ def main() -> None:
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
     args = ap.parse_args()
+    args.configs = args.configs.split(",")
+    unknown = set(args.configs) - {f"{w}/{kv}" for w, kv in CONFIGS}
+    if unknown:
+        raise SystemExit(f"unknown --configs {sorted(unknown)}: each is fp8|int4/bf16|fp8_e4m3")
     if args.summarize:
         doc = json.loads(args.summarize.read_text())
         doc["summary"] = comparisons(doc)
