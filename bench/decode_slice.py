@@ -5,9 +5,10 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
 - per layer: RMSNorms (the residual add in the norm's launch and one launch for SiLU-and-mul,
   as SGLang's sgl-kernel ops do, through the Triton stand-ins of ``sglang_glue``); the MLA
   projections (fused q_a + kv_a, q_b, o_proj; GLM's DSA indexer
-  projections) as dense linears; the absorbed-MLA query and output bmm's (BF16); the new token's
-  latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our paged MLA
-  decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router as SGLang runs it on
+  projections) as dense linears; the absorbed-MLA query and output bmm's (BF16); the rotary
+  embedding of the query's and the new key's rope parts (one launch, ``sglang_glue``); the new
+  token's latent stored into the paged cache (BF16 copy, or our FP8 quantize-on-write); our
+  paged MLA decode attention (``paged_decode_mla_bf16`` / ``_fp8``); the router as SGLang runs it on
   Hopper (fp32 logits from its tiny GEMM, JIT-built by ``sglang_jit_build.py``, up to 16 rows,
   cuBLAS above; its Triton top-k kernel, taken from its source file); the shared expert; the
   routed experts of the one GPU that finishes the layer last (routing drawn at random,
@@ -22,7 +23,7 @@ What runs (synthetic random weights at the real per-GPU shapes, ``decode_slice_p
 - once per step: the vocab-parallel embedding, the model's dense layers, final norm, lm_head and
   argmax, and with integrity on, the tagged allocator's per-step work (``PageTagTracker``
   ``on_alloc`` / ``record`` / ``verify``, the batched ``page_tag_check`` kernel).
-- not modelled: the all-reduce / all-to-all between the 8 GPUs, rotary embedding, the DSA
+- not modelled: the all-reduce / all-to-all between the 8 GPUs, the DSA
   indexer's scoring and sparse selection (attention here is dense MLA over every token).
 
 Timing: two CUDA graphs per point, the once-per-step part (with and without integrity) and
@@ -91,7 +92,15 @@ from decode_slice_plan import (
 )
 from deepgemm import DeepGemm, dequantize_blocks, dequantize_groups
 from marlin import Marlin
-from sglang_glue import add_rms_norm, add_rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from sglang_glue import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    rope_cache,
+    rope_inplace,
+    rope_inplace_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from sglang_jit_build import TINY_GEMM_MAX_M
 from sglang_source import find_sglang_source, load_triton_functions
 from tessera.kernels import w4a16_gemm
@@ -328,6 +337,7 @@ class Common:
     embedding: torch.Tensor  # [vocab_shard, H]
     final_norm: torch.Tensor
     lm_head: Linear
+    rope: torch.Tensor  # fp32 [positions, rope dims]: cosines, then sines (sglang_glue)
 
 
 @dataclass
@@ -420,8 +430,10 @@ class Gen:
 
 def build_common(shape: SliceShape, gen: Gen) -> Common:
     h = shape.hidden
+    positions = 2 * max(CONTEXT_MIX)  # past every request's new token
     return Common(gen.randn(shape.vocab_shard, h), gen.norm_weight(h),
-                  gen.linear(shape.vocab_shard, h, "bf16", 0))  # fmt: skip
+                  gen.linear(shape.vocab_shard, h, "bf16", 0),
+                  rope_cache(positions, shape.rope, gen.device))  # fmt: skip
 
 
 def build_attention(s: SliceShape, kind: str, group: int, gen: Gen) -> Attention:
@@ -568,6 +580,7 @@ class Batch:
     token_ids: torch.Tensor  # int64 [B]
     integrity: IntegrityCheck
     block_table: torch.Tensor  # int32 [B, pages]: each request's pages (FlashMLA's table)
+    positions: torch.Tensor  # int64 [B]: each new token's position (its rotary angle)
     flashmla_meta: dict = field(default_factory=dict)  # KV dtype -> FlashMLA's split schedule
 
     @property
@@ -609,7 +622,8 @@ def build_batch(lengths: list[int], pool_pages: int, vocab_shard: int, seed: int
     )
     token_ids = torch.randint(0, vocab_shard, (len(lengths),), generator=gen).to(device)
     block_table = (check.table[:, ::PAGE_SIZE] // PAGE_SIZE).contiguous()  # page 0: padding
-    return Batch(lengths, table, token_ids, check, block_table)
+    positions = torch.tensor(lengths, device=device) - 1
+    return Batch(lengths, table, token_ids, check, block_table, positions)
 
 
 # ---------------------------------------------------------------------------- ops
@@ -642,6 +656,10 @@ class KernelOps:
         xq, xs = group_quant_fp8(self.sglang, x, x.shape[1])
         return torch._scaled_mm(xq, lin.weight.T, scale_a=xs, scale_b=lin.scale,
                                 out_dtype=torch.bfloat16)  # fmt: skip
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cache: torch.Tensor) -> None:  # fmt: skip
+        rope_inplace(positions, q, k, cache)
 
     def router_logits(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         """fp32 logits, as SGLang's MoE gate computes them on Hopper: its tiny GEMM up to 16
@@ -759,6 +777,10 @@ class ReferenceOps(KernelOps):
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_ref(h)
 
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cache: torch.Tensor) -> None:  # fmt: skip
+        rope_inplace_ref(positions, q, k, cache)
+
     def router_logits(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         return x.float() @ lin.weight.float().T
 
@@ -869,8 +891,10 @@ class SliceStep:
         q_mla[..., : s.kv_lora] = torch.bmm(q[..., : s.qk_nope].transpose(0, 1), a.w_kc).transpose(
             0, 1
         )
+        k_pe = qkv[:, s.q_lora + s.kv_lora :]
+        ops.rope(self.batch.positions, q[..., s.qk_nope :], k_pe, self.common.rope)
         q_mla[..., s.kv_lora :] = q[..., s.qk_nope :]
-        new = torch.cat([kv_c, qkv[:, s.q_lora + s.kv_lora :]], dim=-1).unsqueeze(1)
+        new = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
         ops.write_kv(cache, new, self.batch.new_slots)
         o = ops.attend(q_mla, cache, self.batch, s.sm_scale)  # [B, heads, kv_lora]
         v = torch.bmm(o.transpose(0, 1), a.w_vc).transpose(0, 1).reshape(n, s.heads * s.v_head)
