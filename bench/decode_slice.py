@@ -887,17 +887,18 @@ class SliceStep:
         else:
             q = ops.linear(q_c, a.q_b)
         q = q.view(n, s.heads, s.qk_nope + s.rope)
-        q_mla = torch.empty(n, s.heads, s.latent_dim, dtype=torch.bfloat16, device=x.device)
-        q_mla[..., : s.kv_lora] = torch.bmm(q[..., : s.qk_nope].transpose(0, 1), a.w_kc).transpose(
-            0, 1
-        )
+        # as SGLang's absorbed MLA before FlashMLA: the bmm, the rope in place, one cat for the
+        # query and one for the new latent
+        q_nope = torch.bmm(q[..., : s.qk_nope].transpose(0, 1), a.w_kc).transpose(0, 1)
         k_pe = qkv[:, s.q_lora + s.kv_lora :]
         ops.rope(self.batch.positions, q[..., s.qk_nope :], k_pe, self.common.rope)
-        q_mla[..., s.kv_lora :] = q[..., s.qk_nope :]
+        q_mla = torch.cat([q_nope, q[..., s.qk_nope :]], dim=-1)
         new = torch.cat([kv_c, k_pe], dim=-1).unsqueeze(1)
         ops.write_kv(cache, new, self.batch.new_slots)
         o = ops.attend(q_mla, cache, self.batch, s.sm_scale)  # [B, heads, kv_lora]
-        v = torch.bmm(o.transpose(0, 1), a.w_vc).transpose(0, 1).reshape(n, s.heads * s.v_head)
+        v = torch.empty(n, s.heads * s.v_head, dtype=torch.bfloat16, device=x.device)
+        # SGLang's output bmm writes the heads side by side in place (no copy after it)
+        torch.bmm(o.transpose(0, 1), a.w_vc, out=v.view(n, s.heads, s.v_head).transpose(0, 1))
         return x, ops.linear(v, a.o)
 
     def mlp(self, m: MLP, h: torch.Tensor) -> torch.Tensor:
