@@ -1071,7 +1071,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
     }  # fmt: skip
     print(f"[{name}] weights built in {info['weights_built_s']} s", flush=True)
     routing = RoutingDraws(shape, args.slice_layers, device)
-    side = torch.cuda.Stream(device) if args.streams == "two" else None
+    side = torch.cuda.Stream(device) if args.streams != "one" else None
     rows = []
     for w, kv in CONFIGS:
         plan = pool_plan(name, w, kv)
@@ -1113,10 +1113,15 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
             print(f"[{name}] {config_label(w, kv):18s} c={c:4d} one MoE layer: "
                   f"{lk['launches']} launches, {lk['gpu_us']} us of GPU time", flush=True)
             g_layers = capture(lambda step=step, x_in=x_in, d_in=d_in: step.layers(x_in, d_in))
+            g_serial = None
+            if args.streams == "both":  # the same layers on one stream, timed beside them
+                step.side = None
+                g_serial = capture(lambda step=step, x_in=x_in, d_in=d_in: step.layers(x_in, d_in))
+                step.side = side
             g_off = capture(lambda step=step: step.rest(False))
             g_on = capture(lambda step=step: step.rest(True))
-            samples = time_points(g_off, g_on, g_layers, args.replays)
-            del g_layers, g_off, g_on
+            samples = time_points(g_off, g_on, g_layers, args.replays, g_serial)
+            del g_layers, g_serial, g_off, g_on
             bad = int(batch.integrity.step().sum().item())
             if bad:  # nothing here rewrites a page, so a flagged one is a defect of the check
                 raise SystemExit(f"{name} {w}/{kv} at {c}: the integrity check flagged {bad} pages")
@@ -1196,16 +1201,19 @@ def check_layer(step: SliceStep, x: torch.Tensor, delta: torch.Tensor, c: int) -
             "router_weights_max_abs_diff": float((weights - ref_weights).abs().max())}  # fmt: skip
 
 
-def time_points(g_off, g_on, g_layers, replays: int) -> dict[str, list[float]]:
-    """Interleaved replays: the two once-per-step graphs (alternating first) and the layers."""
-    for g in (g_off, g_on, g_layers):
+def time_points(g_off, g_on, g_layers, replays: int, g_serial=None) -> dict[str, list[float]]:
+    """Interleaved replays: the two once-per-step graphs (alternating first), the layers, and
+    with ``g_serial`` the same layers on one stream."""
+    layers = [("layers", g_layers)] + ([("layers_one_stream", g_serial)] if g_serial else [])
+    for g in (g_off, g_on, *(g for _, g in layers)):
         replay_seconds(g)
-    out: dict[str, list[float]] = {"rest_off": [], "rest_on": [], "layers": []}
+    out: dict[str, list[float]] = {"rest_off": [], "rest_on": [], **{k: [] for k, _ in layers}}
     for i in range(replays):
         pair = (("rest_off", g_off), ("rest_on", g_on))
         for key, g in pair if i % 2 == 0 else pair[::-1]:
             out[key].append(replay_seconds(g))
-        out["layers"].append(replay_seconds(g_layers))
+        for key, g in layers if i % 2 == 0 else layers[::-1]:
+            out[key].append(replay_seconds(g))
     return out
 
 
@@ -1223,7 +1231,14 @@ def summarize(t: dict[str, list[float]], c: int, slice_layers: int, moe_layers: 
         "tok_s": c / step_off, "tok_s_integrity": c / step_on,
         "integrity_step_pct": (step_on / step_off - 1) * 100,
         "replays": len(off),
-    }  # fmt: skip
+    } | (_one_stream(t, slice_layers, moe_layers) if "layers_one_stream" in t else {})  # fmt: skip
+
+
+def _one_stream(t: dict[str, list[float]], slice_layers: int, moe_layers: int) -> dict:
+    """With ``--streams both``: the layers on one stream, and the step they give."""
+    serial = step_samples(t["rest_off"], t["layers_one_stream"], slice_layers, moe_layers)
+    return {"moe_layer_ms_one_stream": median(t["layers_one_stream"]) * 1e3 / slice_layers,
+            "step_ms_one_stream": median(serial) * 1e3}  # fmt: skip
 
 
 def _row(model: str, w: str, kv: str, c: int, plan, admitted: bool) -> dict[str, Any]:
@@ -1336,9 +1351,13 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
         "router": "SGLang's Triton router (moe_fused_gate); logits by its tiny GEMM (JIT-built) up "
                   f"to {TINY_GEMM_MAX_M} rows for {sorted(args.tiny_gemms)} ([N, K]), else "
                   "cuBLAS bf16 -> fp32",
-        "streams": "two, as SGLang's CUDA-graph decode: the kv_a norm, GLM's q_b projection "
-                   "and the shared expert on a second stream"
-        if args.streams == "two" else "one (every launch in order on one stream)",
+        "streams": {
+            "two": "two, as SGLang's CUDA-graph decode: the kv_a norm, GLM's q_b projection and "
+                   "the shared expert on a second stream",
+            "one": "one (every launch in order on one stream)",
+            "both": "two, as SGLang's CUDA-graph decode, and the same layers on one stream timed "
+                    "beside them (moe_layer_ms_one_stream, step_ms_one_stream)",
+        }[args.streams],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1462,10 +1481,11 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(f"{w}/{kv}" for w, kv in CONFIGS),
                     help="the weights/KV configurations to time, e.g. fp8/fp8_e4m3,int4/fp8_e4m3 "
                          "(INT4 vs FP8 weights alone)")  # fmt: skip
-    ap.add_argument("--streams", choices=("two", "one"), default="two",
+    ap.add_argument("--streams", choices=("two", "one", "both"), default="two",
                     help="two: the kv_a norm, GLM's q_b projection and the shared expert on a "
                          "second stream, as SGLang's CUDA-graph decode runs them; one: every "
-                         "launch on one stream (the runs before this option)")  # fmt: skip
+                         "launch on one stream (the runs before this option); both: two, and "
+                         "the layers on one stream timed beside them")  # fmt: skip
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))

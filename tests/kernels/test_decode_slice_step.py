@@ -183,3 +183,15 @@ def test_layer_check_reports_the_layer_and_the_router(sglang) -> None:
     assert check["moe_layer_rel_l2"] < LAYER_TOL["int4"]
     assert check["router_ids_equal"] is True
     assert check["router_logits_rel_l2"] < 1e-6 and check["router_weights_max_abs_diff"] < 1e-6
+
+
+def test_summary_of_one_stream_layers_timed_beside_the_two_stream_ones() -> None:
+    """``--streams both``: the one-stream layers scale to a step the same way as the others,
+    over the same once-per-step samples; without them the row has no such fields."""
+    t = {"rest_off": [1e-3, 1e-3], "rest_on": [1.1e-3, 1.1e-3], "layers": [8e-3, 8e-3]}
+    plain = ds.summarize(t, 4, slice_layers=8, moe_layers=60)
+    assert "step_ms_one_stream" not in plain
+    both = ds.summarize(t | {"layers_one_stream": [9.6e-3, 9.6e-3]}, 4, 8, 60)
+    assert both["step_ms"] == pytest.approx(1 + 8 * 60 / 8)
+    assert both["moe_layer_ms_one_stream"] == pytest.approx(1.2)
+    assert both["step_ms_one_stream"] == pytest.approx(1 + 9.6 * 60 / 8)
