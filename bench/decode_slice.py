@@ -1204,7 +1204,9 @@ def check_layer(step: SliceStep, x: torch.Tensor, delta: torch.Tensor, c: int) -
 def time_points(g_off, g_on, g_layers, replays: int, g_serial=None) -> dict[str, list[float]]:
     """Interleaved replays: the two once-per-step graphs (alternating first), the layers, and
     with ``g_serial`` the same layers on one stream."""
-    layers = [("layers", g_layers)] + ([("layers_one_stream", g_serial)] if g_serial else [])
+    layers = [("layers", g_layers)]
+    if g_serial is not None:
+        layers.append(("layers_one_stream", g_serial))
     for g in (g_off, g_on, *(g for _, g in layers)):
         replay_seconds(g)
     out: dict[str, list[float]] = {"rest_off": [], "rest_on": [], **{k: [] for k, _ in layers}}
