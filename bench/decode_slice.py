@@ -113,9 +113,10 @@ from tessera.kernels.paged_decode_bf16 import (
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8, paged_decode_mla_fp8_ref
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from tessera.kernels.w4a16_format import PACK, W4A16Weight
-from tessera.kernels.w4a16_gemm import _TUNED, capture_graph, w4a16_matmul, w4a16_matmul_reference
+from tessera.kernels.w4a16_gemm import capture_graph, w4a16_matmul, w4a16_matmul_reference
 from tessera.kernels.w4a16_moe import align_to_experts, fused_moe, fused_moe_reference
 from tessera.runtime.integrity.tracker import PageTagTracker, TrackerShape
+from tuned_picks import load_tuned_picks, tuned_picks
 
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # SGLang's block-scaled FP8 weights: one scale per 128 x 128
@@ -1158,7 +1159,7 @@ def bench_model(name: str, args: argparse.Namespace, sglang: SglangKernels, devi
         del dense_caches, moe_caches
         torch.cuda.empty_cache()
     info["seconds"] = round(time.time() - t0, 1)
-    info["int4_tuned"] = {" ".join(map(str, k[:4])): str(v) for k, v in _TUNED.items()}
+    info["int4_tuned_picks"] = tuned_picks()  # --tuned-from repeats them
     return rows, info
 
 
@@ -1360,6 +1361,7 @@ def meta(argv: list[str], args: argparse.Namespace, sglang_src: Path) -> dict[st
             "both": "two, as SGLang's CUDA-graph decode, and the same layers on one stream timed "
                     "beside them (moe_layer_ms_one_stream, step_ms_one_stream)",
         }[args.streams],
+        "int4_tuned_from": _portable(str(args.tuned_from)) if args.tuned_from else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/decode_slice.py", *map(_portable, argv[1:])]),
         "layout": "decode replica of 8 H200: attention TP 8 (8 of 64 heads per GPU, the MLA "
@@ -1488,6 +1490,9 @@ def main() -> None:
                          "second stream, as SGLang's CUDA-graph decode runs them; one: every "
                          "launch on one stream (the runs before this option); both: two, and "
                          "the layers on one stream timed beside them")  # fmt: skip
+    ap.add_argument("--tuned-from", type=Path,
+                    help="an earlier results JSON whose INT4 tuned picks this run repeats "
+                         "(A/Bs across machine starts then compare the change, not tuner noise)")
     ap.add_argument("--plot", type=Path, help="draw the PNGs from a results JSON and exit")
     ap.add_argument("--summarize", type=Path, help="recompute a results JSON's comparisons")
     ap.add_argument("--img-dir", type=Path, default=Path("docs/img"))
@@ -1527,6 +1532,10 @@ def main() -> None:
             raise SystemExit("Marlin needs --sglang-jit-dir (bench/sglang_jit_build.py's --out)")
         args.marlin = Marlin(args.sglang_jit_dir)
     args.tiny_gemms = load_tiny_gemms(args.sglang_jit_dir)
+    if args.tuned_from:
+        earlier = json.loads(args.tuned_from.read_text())["models"].values()
+        loaded = load_tuned_picks([p for m in earlier for p in m.get("int4_tuned_picks", [])])
+        print(f"repeating {loaded} INT4 tuned picks of {args.tuned_from}", flush=True)
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_slice{args.tag}.json"
