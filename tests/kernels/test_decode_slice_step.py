@@ -116,11 +116,13 @@ def test_each_layer_matches_torch_reference(weights: str, kv: str, sglang) -> No
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("weights,kv", CONFIGS)
-def test_two_stream_layers_in_a_graph_match_torch_reference(weights: str, kv: str, sglang) -> None:
+@pytest.mark.parametrize("weights", ["fp8", "int4"])
+def test_two_stream_layers_in_a_graph_match_torch_reference(weights: str, sglang) -> None:
     """The MoE layers with SGLang's second stream (the kv_a norm, the DSA q_b projection and
     the shared expert beside the rest), captured in a CUDA graph as the benchmark times them,
-    against the reference on one stream."""
+    against the reference on one stream. BF16 KV: the streams change no attention kernel, and
+    on Hopper the FP8 MLA kernels take only the real 512 + 64 latent, not these tiny dims."""
+    kv = "bf16"
     device = torch.device("cuda")
     step, ref = _pair(weights, kv, sglang, "cuda", torch.cuda.Stream())
     x = ds.Gen(device, seed=9).randn(len(LENGTHS), TINY.hidden)
