@@ -157,10 +157,14 @@ _NO_REGISTER_WRITE = re.compile(
 )
 
 
-def _written_registers(text: str) -> set[int]:
-    """The general registers an instruction writes (its first operand, with the width its
-    modifiers give), as cuobjdump prints it."""
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+def _unpredicated(text: str) -> str:
+    """An instruction as cuobjdump prints it, without its guard predicate (``@P0``, ``@!UP1``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
+
+
+def _written_registers(body: str) -> set[int]:
+    """The general registers an unpredicated instruction writes (its first operand, with the
+    width its modifiers give)."""
     op, _, operands = body.partition(" ")
     if _NO_REGISTER_WRITE.match(op):
         return set()
@@ -172,24 +176,29 @@ def _written_registers(text: str) -> set[int]:
 
 
 def register_operand_hazards(cubin: Path, mma: str = "HGMMA") -> list[str]:
+    """:func:`operand_hazards` of the loop of ``cubin`` that holds the ``mma`` instructions."""
+    return operand_hazards(loop_instructions(cubin, innermost_with=mma), mma)
+
+
+def operand_hazards(loop: list[str], mma: str = "HGMMA") -> list[str]:
     """Writes to a register that a warpgroup MMA still in flight reads as its A operand: PTX
-    leaves undefined what such an MMA reads. The loop holding the MMAs is walked twice (its
-    back edge included); each MMA (``mma``: ``HGMMA`` or ``QGMMA``) with a register A
-    operand (``R<a>``: four registers) stays in flight until a ``WARPGROUP.DEPBAR.LE gsb0, n``
-    leaves at most ``n`` newer ones."""
-    loop = loop_instructions(cubin, innermost_with=mma)
+    leaves undefined what such an MMA reads. The ``loop`` (instructions as cuobjdump prints
+    them) is walked twice (its back edge included); each MMA (``mma``: ``HGMMA`` or ``QGMMA``)
+    with a register A operand (``R<a>``: four registers) stays in flight until a
+    ``WARPGROUP.DEPBAR.LE gsb0, n`` leaves at most ``n`` newer ones."""
     in_flight: list[tuple[str, set[int]]] = []
     hazards = []
     for text in loop + loop:
-        body = re.sub(r"^@!?U?P\w+\s+", "", text)
+        body = _unpredicated(text)
         wait = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\w+)", body)
         if wait:
             keep = int(wait.group(1), 16)
             in_flight = in_flight[len(in_flight) - keep:] if keep else []
             continue
-        mma = re.match(r"[HQ]GMMA\S* R\d+, R(\d+),", body)
-        if mma:
-            in_flight.append((body, set(range(int(mma.group(1)), int(mma.group(1)) + 4))))
+        issued = re.match(rf"{mma}\S* R\d+, R(\d+),", body)
+        if issued:
+            first = int(issued.group(1))
+            in_flight.append((body, set(range(first, first + 4))))
             continue
         clobbered = _written_registers(body)
         for mma_text, regs in in_flight:
@@ -206,7 +215,7 @@ def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.
 
 
 def _opcode(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+    return _unpredicated(text).split()[0].split(".")[0]
 
 
 def loop_instructions(cubin: Path, innermost_with: str | None = None) -> list[str]:
