@@ -22,7 +22,7 @@ CONFIG_TYPES = {c.__name__: c for c in (GemmConfig, MoeConfig)}
 def _encode(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
-    if type(value).__name__ in CONFIG_TYPES:
+    if isinstance(value, (GemmConfig, MoeConfig)):
         return {type(value).__name__: asdict(value)}
     if isinstance(value, tuple):
         return [_encode(v) for v in value]

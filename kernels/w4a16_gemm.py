@@ -829,8 +829,8 @@ def _run(x: torch.Tensor, w: W4A16Weight, cfg: GemmConfig) -> torch.Tensor:
     sums, counts = out, out  # unused pointers unless counted
     if counted:  # sized for the M bucket: a capture at a larger M of the bucket must not grow it
         sums, counts = counted_workspace(x.device, _m_bucket(m) * w.n, _m_bucket(m) * w.n)
-    launchable = not interpreted() and _dependent_launches(x.device.index or 0)
-    pdl = cfg.pdl if launchable else 0
+    dependent = cfg.pdl and not interpreted() and _dependent_launches(x.device.index or 0)
+    pdl = cfg.pdl if dependent else 0
     if cfg.path == "wgmma":
         grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m), cfg.split_k)
         w4a16_wgmma_kernel[grid](
