@@ -721,15 +721,9 @@ def _wgmma_tiles(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
 
 
 def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
-    """The Gluon tiles the tuner is offered: those of groups of whole steps.
-
-    Groups smaller than a step (the models' group-32 linears) are held back: repeated on fresh
-    inputs, their tiles with 8 or more K splits returned an element short of one part in 15 of
-    720 runs (docs/kernels-int4.md, v14). The cause, a step's decode rewriting the registers
-    the step before's MMAs were still reading, is fixed in the kernel and checked on its SASS,
-    but the fix has not run on a GPU: the Triton tiles serve these groups until the same
-    stress (``bench/w4a16_splitk_stress.py --only wgmma``, which takes every tile) passes."""
-    return [] if w.group_size % STEP.value else _wgmma_tiles(x, w)
+    """The Gluon tiles the tuner is offered: every group size, group 32 included since the
+    decode-rewrites-operands race was fixed and its stress passed (docs/kernels-int4.md, v14)."""
+    return _wgmma_tiles(x, w)
 
 
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
