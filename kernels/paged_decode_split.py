@@ -133,8 +133,11 @@ MLA_FP8_E4M3_IN_PLACE = replace(MLA_FP8_E4M3, e4m3_in_place=True)
 # steps (scores, softmax, p's store, the output product) for the same tokens. Its consumer
 # alone is 1.2x the 64-token one's; with the producer, 1.02-1.05x (E4M3_MIN_TOKENS)
 MLA_FP8_E4M3_128 = replace(MLA_FP8_E4M3, block_n=128, num_warps=8)
-# ... on 64-token tiles, the query written by the consumer while the producer starts copying:
-# the FP8 default from E4M3_Q_IN_CONSUMER_MIN_TOKENS
+# ... on 64-token tiles, the query written by the consumer while the producer starts copying.
+# Not a default: 1.02-1.07x the 128-token kernel from 262,144 tokens on the H100
+# (bench/results/fp8_kv_flashmla_q_in_consumer_default_h100.json) but 0.97-0.99x it on the H200
+# in two runs at 196,608 to 2M tokens (fp8_kv_flashmla_q_in_consumer_default_h200.json,
+# _128_h200.json), where the query in the consumer gains the 128-token kernel 0.99-1.02x.
 MLA_FP8_E4M3_Q_IN_CONSUMER = replace(MLA_FP8_E4M3, q_in_consumer=True)
 # MLA at 64+ heads: 64 heads a program in Gluon (heads as the MMA's M, two warpgroups), and the
 # Triton kernel that runs in its place under the interpreter and off Hopper.
@@ -161,12 +164,6 @@ HEADS_STREAM_MIN_TOKENS = 61440
 # tokens (fp8_kv_e4m3_versions.json).
 E4M3_MIN_TOKENS = 196608
 E4M3_IN_PLACE_MIN_TOKENS = 131072
-# From this many tokens the 64-token e4m3 kernel whose consumer writes the query is the fastest:
-# 1.05-1.07x the 128-token one at 16 heads from 524,288 tokens (8 and 16k contexts), 1.02x at
-# 8 heads from 262,144, a tie at 196,608 (where the 128-token one stays) and 1.01x at 16 heads x
-# 64 x 4k (bench/results/fp8_kv_flashmla_q_in_consumer_default_h100.json); earlier runs agree
-# (1.04-1.06x, fp8_kv_flashmla_q_in_consumer_h100.json). Measured on an H100 only.
-E4M3_Q_IN_CONSUMER_MIN_TOKENS = 262144
 # the most requests the stream schedule takes (their tile ends in 16 KB of shared memory,
 # beside the e4m3 kernel's 200 KB); larger batches take the split plan
 STREAM_MAX_BATCH = 4096
@@ -225,10 +222,8 @@ def pick_config(
     and MMA chains, so the context is split into exactly as many programs as the GPU holds at
     once (a partial second wave cost up to 1.3x). 16 heads a program: BF16 has the latent in
     quarters, 32 tokens a tile, 128 registers (4 programs per SM); FP8 runs a warp-specialized
-    Gluon kernel (one program per SM): from ``E4M3_Q_IN_CONSUMER_MIN_TOKENS`` the one with both
-    products in e4m3 on 64-token tiles whose consumer writes the query
-    (``MLA_FP8_E4M3_Q_IN_CONSUMER``), from ``E4M3_MIN_TOKENS`` the same on 128-token tiles
-    (``MLA_FP8_E4M3_128``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same
+    Gluon kernel (one program per SM): from ``E4M3_MIN_TOKENS`` the one with both products in
+    e4m3 on 128-token tiles (``MLA_FP8_E4M3_128``), from ``E4M3_IN_PLACE_MIN_TOKENS`` the same
     on 64-token tiles with V^T written by its producer (``MLA_FP8_E4M3_IN_PLACE``), below that
     the one that widens each 64-token tile to fp16 (``MLA_FP8_WGMMA``: with the short splits
     1.65x the Triton kernel at one request of 1k, where it was 0.97x); ``MLA_FP8_TRITON`` off
@@ -244,9 +239,7 @@ def pick_config(
         if group >= 64:
             return MLA_HEADS_M
         if fp8:
-            if tokens is None or tokens >= E4M3_Q_IN_CONSUMER_MIN_TOKENS:
-                return MLA_FP8_E4M3_Q_IN_CONSUMER
-            if tokens >= E4M3_MIN_TOKENS:
+            if tokens is None or tokens >= E4M3_MIN_TOKENS:
                 return MLA_FP8_E4M3_128
             if tokens >= E4M3_IN_PLACE_MIN_TOKENS:
                 return MLA_FP8_E4M3_IN_PLACE

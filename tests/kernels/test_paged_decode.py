@@ -29,12 +29,10 @@ from tessera.kernels.paged_decode_split import (
     E4M3_IN_PLACE_MIN_TOKENS,
     E4M3_MAX_SPLIT_TOKENS,
     E4M3_MIN_TOKENS,
-    E4M3_Q_IN_CONSUMER_MIN_TOKENS,
     MAX_SPLITS,
     MLA_FP8_E4M3,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
-    MLA_FP8_E4M3_Q_IN_CONSUMER,
     MLA_FP8_TRITON,
     MLA_FP8_WGMMA,
     MLA_HEADS_M,
@@ -358,7 +356,7 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     bf16, fp8 = pick_config(512, 16, mla=True), pick_config(512, 16, mla=True, fp8=True)
     assert bf16.latent_quarters and fp8.latent_quarters
     assert (bf16.programs_per_sm, bf16.max_registers) == (4, None)
-    assert fp8 == MLA_FP8_E4M3_Q_IN_CONSUMER  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
+    assert fp8 == MLA_FP8_E4M3_128  # the Gluon kernel; MLA_FP8_TRITON where it cannot run
     assert (MLA_FP8_TRITON.programs_per_sm, MLA_FP8_TRITON.max_registers) == (3, 168)
     # the widening Gluon kernel from the shortest batch (one-tile splits fill the SMs)
     assert pick_config(512, 16, mla=True, fp8=True, tokens=64) == MLA_FP8_WGMMA
@@ -368,10 +366,8 @@ def test_mla_defaults_follow_the_dtype_and_head_count():
     in_place = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS - 1)
     assert in_place == MLA_FP8_E4M3_IN_PLACE
     assert pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_MIN_TOKENS) == MLA_FP8_E4M3_128
-    wide = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_Q_IN_CONSUMER_MIN_TOKENS - 1)
-    assert wide == MLA_FP8_E4M3_128
-    at = pick_config(512, 16, mla=True, fp8=True, tokens=E4M3_Q_IN_CONSUMER_MIN_TOKENS)
-    assert at == MLA_FP8_E4M3_Q_IN_CONSUMER and at.block_n == 64
+    longest = pick_config(512, 16, mla=True, fp8=True, tokens=1 << 21)
+    assert longest == MLA_FP8_E4M3_128 and longest.block_n == 128
     # the 16-heads kernels split as short as one tile, up to 256 a request, merged at once
     for config in (bf16, MLA_FP8_WGMMA, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_128, fp8):
         assert (config.min_split_tiles, config.max_splits, config.merge_at_once) == (1, 256, True)
