@@ -12,9 +12,9 @@ outputs whose rel-L2 against the fp32 reference exceeds 5e-3.
 
 ``--only streams`` runs the pattern of SGLang's CUDA-graph decode instead: a Kimi K2 EP-8 GPU's
 routed experts on one stream and its share of the shared expert (two dense GEMMs) on a second,
-forked and joined as SGLang does, every launch a counted split. With ``--one-workspace`` both
-streams take the first stream's workspace, as every stream did before the workspace was made
-per stream: what that cost.
+forked and joined as SGLang does, in a captured graph, every launch a counted split. With
+``--one-workspace`` both streams take the first stream's workspace, as every stream did before
+the workspace was made per stream: what that cost.
 
     python bench/w4a16_splitk_stress.py [--repeats 100] [--only dense|moe|wgmma|streams]
         [--one-workspace] [--out DIR] [--tag _counted]
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tessera.kernels import w4a16_gemm, w4a16_moe
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
-from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_tiles
+from tessera.kernels.w4a16_gemm import _candidates, _run, _wgmma_tiles, capture_graph
 from tessera.kernels.w4a16_moe import _candidates as moe_candidates
 from tessera.kernels.w4a16_moe import fused_moe, fused_moe_reference
 
@@ -123,10 +123,12 @@ def moe_rows(repeats: int) -> list[dict]:
 
 
 def stream_rows(repeats: int, one_workspace: bool) -> list[dict]:
-    """The routed experts (48 local of 384, top 8, one token: 8 pairs) on the current stream and
-    the shared expert's up (512 x 7168) and down (7168 x 256) GEMMs on a second stream, both
-    issued after one fork and joined after, ``repeats`` times on 8 cycled input sets; every
-    output is checked against its reference."""
+    """The routed experts (48 local of 384, top 8, one token: 8 pairs) on one stream and the
+    shared expert's up (512 x 7168) and down (7168 x 256) GEMMs on a second, forked and joined
+    as SGLang does, captured in a CUDA graph as SGLang's decode runs them (replays run both
+    branches at once; host-issued launches rarely overlap) and replayed ``repeats`` times on 8
+    cycled input sets copied into the graph's inputs; every output is checked against its
+    reference."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     if one_workspace:  # both streams look their buffer up as the first stream
         original = w4a16_gemm.counted_workspace
@@ -152,26 +154,33 @@ def stream_rows(repeats: int, one_workspace: bool) -> list[dict]:
     for _ in range(8):
         x, weights, ids, moe_ref = routed_case(w13, w2, 1, top_k)
         h = torch.randn(1, shared, device="cuda").bfloat16()  # the down GEMM's input
-        sets.append((x, weights, ids, h, moe_ref, x.float() @ up_ref, h.float() @ down_ref))
-    outs = []
-    for i in range(repeats):
-        x, weights, ids, h, *_ = sets[i % len(sets)]
-        side.wait_stream(main)
-        routed = fused_moe(x, w13, w2, weights, ids, configs=(moe_cfg, moe_cfg))
+        sets.append(((x, weights, ids, h), (moe_ref, x.float() @ up_ref, h.float() @ down_ref)))
+    inputs = [t.clone() for t in sets[0][0]]
+    outs: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        x, weights, ids, h = inputs
+        branch = torch.cuda.current_stream()
+        side.wait_stream(branch)
+        outs["routed"] = fused_moe(x, w13, w2, weights, ids, configs=(moe_cfg, moe_cfg))
         with torch.cuda.stream(side):
-            shared_up, shared_down = _run(x, up, up_cfg), _run(h, down, down_cfg)
-        main.wait_stream(side)
-        outs.append((routed, shared_up, shared_down))
-    torch.cuda.synchronize()
-    errors = {"routed": [], "shared_up": [], "shared_down": []}
-    for i, got in enumerate(outs):
-        for name, out, ref in zip(errors, got, sets[i % len(sets)][4:], strict=True):
-            errors[name].append(rel_l2(out, ref))
+            outs["shared_up"], outs["shared_down"] = _run(x, up, up_cfg), _run(h, down, down_cfg)
+        branch.wait_stream(side)
+
+    graph = capture_graph(step)
+    errors: dict[str, list[float]] = {"routed": [], "shared_up": [], "shared_down": []}
+    for i in range(repeats):
+        fresh, refs = sets[i % len(sets)]
+        for dst, src in zip(inputs, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        for (name, errs), ref in zip(errors.items(), refs, strict=True):
+            errs.append(rel_l2(outs[name], ref))
     rows = []
     label = "one workspace" if one_workspace else "a workspace per stream"
     for (name, errs), cfg in zip(errors.items(), (moe_cfg, up_cfg, down_cfg), strict=True):
-        tally(rows, f"two streams, {label}: {name}", repeats, errs, output=name,
-              one_workspace=one_workspace, config=asdict(cfg))  # fmt: skip
+        tally(rows, f"two streams in a graph, {label}: {name}", repeats, errs, output=name,
+              one_workspace=one_workspace, graph=True, config=asdict(cfg))  # fmt: skip
     return rows
 
 
