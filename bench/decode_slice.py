@@ -1526,7 +1526,7 @@ def main() -> None:
     args.deepgemm = DeepGemm(args.sglang_src) if args.fp8_linears == "deepgemm" else None
     args.marlin = None
     if args.no_wgmma:
-        w4a16_gemm._wgmma_candidates = lambda x, w: []
+        w4a16_gemm._wgmma_tiles = lambda x, w: []  # what the tuner is offered
     if "marlin" in (args.int4_linears, args.int4_experts):
         if args.sglang_jit_dir is None:
             raise SystemExit("Marlin needs --sglang-jit-dir (bench/sglang_jit_build.py's --out)")

@@ -52,7 +52,6 @@ from tessera.kernels.w4a16_gemm import (
     _candidates,
     _graph_time,
     _m_bucket,
-    _wgmma_candidates,
     _wgmma_tiles,
     w4a16_matmul,
 )
@@ -183,8 +182,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             twin["int4_other_split_us"] = graph_time_us(
                 lambda i, xs=xs, c=other: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
             )
-        # the Gluon kernel's tiles (Hopper), whatever the tuner picked and including those it is
-        # not offered (group 32, docs/kernels-int4.md v14): its best, side by side
+        # the Gluon kernel's tiles (Hopper), whatever the tuner picked: its best, side by side
         wgmma, forms = {}, {}
         for cfg in _wgmma_tiles(xs[0], ws[0]):
             t = graph_time_us(lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c),
@@ -201,7 +199,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             wgmma["wgmma_forms_us"] = forms
         per_config, tuner = {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
-            for cfg in _candidates(m, n, k) + _wgmma_candidates(xs[0], ws[0]):
+            for cfg in _candidates(m, n, k) + _wgmma_tiles(xs[0], ws[0]):
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
                 )

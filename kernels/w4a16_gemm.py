@@ -720,12 +720,6 @@ def _wgmma_tiles(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
     return out
 
 
-def _wgmma_candidates(x: torch.Tensor, w: W4A16Weight) -> list[GemmConfig]:
-    """The Gluon tiles the tuner is offered: every group size, group 32 included since the
-    decode-rewrites-operands race was fixed and its stress passed (docs/kernels-int4.md, v14)."""
-    return _wgmma_tiles(x, w)
-
-
 def _check(x: torch.Tensor, w: W4A16Weight) -> None:
     if w.qweight.dim() != 2:
         raise ValueError("w4a16_matmul takes one weight [K/8, N]; use w4a16_moe for experts")
@@ -954,7 +948,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: GemmConfig | None = No
         m = x.shape[0]
         key = ("gemm", _m_bucket(m), w.n, w.k, w.group_size, w.zeros is not None,
                w.scales.dtype, torch.cuda.get_device_name(x.device))  # fmt: skip
-        config = tune_cached(key, lambda: _candidates(m, w.n, w.k) + _wgmma_candidates(x, w),
+        config = tune_cached(key, lambda: _candidates(m, w.n, w.k) + _wgmma_tiles(x, w),
                              lambda c: _run(x, w, c))  # fmt: skip
     return _run(x, w, config)
 

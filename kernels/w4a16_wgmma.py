@@ -204,7 +204,7 @@ def w4a16_wgmma_kernel(
     X_SLOTS: gl.constexpr = 2 + OVERLAP
     # steps whose words are copied ahead of the one computed: with OVERLAP one less, which
     # timed 2-12% faster than a full ring ahead with the earlier overlap (docs/kernels-int4.md,
-    # v13; the fixed one, v14, not yet timed)
+    # v13; not re-compared on the fixed overlap of v14)
     AHEAD: gl.constexpr = STAGES - 1 - OVERLAP
     WARPS: gl.constexpr = gl.num_warps()
     WG: gl.constexpr = WARPS // 4

@@ -647,14 +647,11 @@ def test_wgmma_gemm_matches_reference(m, group, split_k, warps, one_launch):
 @pytest.mark.parametrize("n,k,group", [(2112, 7168, 32), (16384, 7168, 128)])
 def test_wgmma_candidates_real_shapes(m, n, k, group):
     """Every Gluon tile at the decode slice's fused q_a + kv_a and at the target shape, its K
-    splits added into a zeroed output or met in the workspace (which every call leaves zero);
-    the tuner is offered those of the target shape only (group 32 held back:
-    docs/kernels-int4.md, v14)."""
+    splits added into a zeroed output or met in the workspace (which every call leaves zero)."""
     w = make_weight((n, k), group, True, seed=n)
     x = make_x(m, k, seed=m)
     ref = w4a16_matmul_reference(x, w)
     cfgs = gemm_module._wgmma_tiles(x, w)
-    assert gemm_module._wgmma_candidates(x, w) == (cfgs if group >= 128 else [])
     assert any(c.counted and c.split_k > 1 for c in cfgs)
     for cfg in cfgs:
         assert rel_l2(w4a16_matmul(x, w, cfg), ref) <= REL_L2, cfg
