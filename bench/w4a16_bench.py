@@ -18,8 +18,10 @@ tuned GEMM splits K, the same tile with its splits met the other way (counted in
 added into a zeroed output and cast: ``GemmConfig.counted``) is timed beside it
 (``int4_other_split_us``).
 
-``--candidates`` also times every tile the GEMM tuner may pick, side by side, and the parts of
-the MoE forward (alignment, both GEMMs, top-k sum) against the torch ops they replaced.
+``--candidates`` also times every tile the GEMM tuner may pick, side by side, and again three
+times the tuner's way (``tuner_us``; ``tuner_rounds``: each round's pick and what it costs over
+the fastest tile by the bench's timing), and the parts of the MoE forward (alignment, both
+GEMMs, top-k sum) against the torch ops they replaced.
 Prints a table last and writes w4a16_gemm<tag>.json and w4a16_moe<tag>.json under --out.
 """
 
@@ -128,6 +130,19 @@ def marlin_time(call, sets: int) -> tuple[float, str]:
     return statistics.median(times), "eager"
 
 
+TUNER_ROUNDS = 3  # times --candidates times every tile the tuner's way
+
+
+def tuner_pick_costs(tuner_us: dict[str, list[float]], bench_us: dict[str, float]) -> dict:
+    """The tile the tuner's timing picks in each round (``tuner_us``: a time per round per
+    tile) and what each pick costs over the fastest tile by the bench's timing
+    (``bench_us``)."""
+    rounds = len(next(iter(tuner_us.values())))
+    picks = [min(tuner_us, key=lambda c, r=r: tuner_us[c][r]) for r in range(rounds)]
+    best = min(bench_us.values())
+    return {"picks": picks, "cost_us": [bench_us[p] - best for p in picks]}
+
+
 def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
     rows = []
     for name, (n, k, group) in shapes.items():
@@ -197,24 +212,32 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
                          "wgmma_rel_l2_vs_fp32": rel_l2(w4a16_matmul(xs[0], ws[0], cfg), ref)}
         if forms:
             wgmma["wgmma_forms_us"] = forms
-        per_config, tuner = {}, {}
+        per_config, tuner, tuner_rounds = {}, {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
-            for cfg in _candidates(m, n, k) + _wgmma_tiles(xs[0], ws[0]):
+            configs = _candidates(m, n, k) + _wgmma_tiles(xs[0], ws[0])
+            for cfg in configs:
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets
                 )
-                # and as the tuner times it (one weight flushed from the L2 before each call;
-                # flush included)
-                call = functools.partial(w4a16_matmul, xs[0], ws[0], cfg)
-                tuner[_short(cfg)] = _graph_time(call, 16) * 1e3 / 16
+            # and as the tuner times them (one weight flushed from the L2 before each call;
+            # flush included), in TUNER_ROUNDS interleaved rounds: how often its pick changes
+            # and what each pick costs against the fastest by the bench's timing
+            for _ in range(TUNER_ROUNDS):
+                for cfg in configs:
+                    call = functools.partial(w4a16_matmul, xs[0], ws[0], cfg)
+                    tuner.setdefault(_short(cfg), []).append(_graph_time(call, 16) * 1e3 / 16)
+            tuner_rounds = tuner_pick_costs(tuner, per_config)
             print(f"  M={m} candidates (us): "
                   + ", ".join(f"{c} {t:.1f}" for c, t in sorted(per_config.items(),
-                                                                key=lambda kv: kv[1])),
+                                                                key=lambda kv: kv[1]))
+                  + f"; tuner's picks: {tuner_rounds['picks']}, costing "
+                  + ", ".join(f"{c:.1f}" for c in tuner_rounds["cost_us"]),
                   flush=True)  # fmt: skip
         rows.append({
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
-            "candidates_us": per_config, "tuner_us": tuner, **marlin, **twin, **wgmma,
+            "candidates_us": per_config, "tuner_us": tuner, "tuner_rounds": tuner_rounds,
+            **marlin, **twin, **wgmma,
             "x_vs_bf16": t_bf16 / t_int4, "x_vs_fp8": t_fp8 / t_int4,
             "int4_weight_TBps": w_bytes / t_int4 / 1e6,
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
