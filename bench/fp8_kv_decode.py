@@ -435,6 +435,11 @@ MLA_PEER_VARIANTS = {
     "e4m3_q_in_consumer": ("fp8", MLA_FP8_E4M3_Q_IN_CONSUMER),
     "e4m3_128_q_in_consumer": ("fp8", replace(MLA_FP8_E4M3_128, q_in_consumer=True)),
     "e4m3_in_place": ("fp8", MLA_FP8_E4M3_IN_PLACE),
+    # the 128-token one on equal-parts plans of two and three waves of one program an SM, where
+    # one wave leaves SMs idle at batch sizes that do not divide the SM count (the plan's
+    # ``programs_per_sm`` is its waves: the kernel holds one program an SM)
+    "e4m3_128_two_waves": ("fp8", replace(MLA_FP8_E4M3_128, programs_per_sm=2)),
+    "e4m3_128_three_waves": ("fp8", replace(MLA_FP8_E4M3_128, programs_per_sm=3)),
     # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
     # run of the batch's tiles across requests
     "e4m3_stream": ("fp8", MLA_FP8_E4M3_STREAM),
