@@ -62,7 +62,9 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_TRITON,
     SHORT_SPLITS,
     DecodeConfig,
+    cap_split_tokens,
     pick_config,
+    plan_splits,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
@@ -224,6 +226,19 @@ def mla_reference(q, rows, slots, lens, sm, latent, requests=4):
     return torch.stack(out)
 
 
+def split_plan_sm_share(cfg: DecodeConfig, batch: int, heads: int, ctx: int, sms: int) -> float:
+    """The share of the GPU's program slots that ``cfg``'s equal-parts split plan keeps busy
+    (the plan for lengths unknown on the host): its programs over the whole waves they take.
+    Below 1 where the request count does not divide the slots, e.g. 48 requests on 132 SMs."""
+    programs = batch * -(-heads // cfg.block_h)
+    splits = plan_splits(programs, ctx, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves,
+                         cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
+    splits, _ = cap_split_tokens(splits, 0, ctx, cfg.max_split_tokens, cfg.block_n,
+                                 cfg.max_splits)  # fmt: skip
+    slots, busy = sms * cfg.programs_per_sm, programs * splits
+    return busy / (-(-busy // slots) * slots)
+
+
 def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashmla=None,
               lens=None, variants=None):  # fmt: skip
     """Ours (BF16, FP8 with a scale per token) against SGLang's Triton decode and FlashMLA
@@ -259,6 +274,10 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
     if config:
         row["config"] = asdict(config)
     tokens = case.total_tokens
+    if not mixed:  # equal lengths take the equal-parts plan: how much of the GPU it fills
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        fp8_cfg = config or pick_config(latent, heads, True, fp8=True, tokens=tokens)
+        row["fp8_split_plan_sm_share"] = split_plan_sm_share(fp8_cfg, batch, heads, ctx, sms)
     row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
     row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
     row["ours_bf16_TBps"] = tokens * (latent + rope) * 2 / row["ours_bf16_us"] / 1e6
