@@ -63,6 +63,7 @@ from tessera.kernels.paged_decode_split import (
     SHORT_SPLITS,
     DecodeConfig,
     cap_split_tokens,
+    num_sms,
     pick_config,
     plan_splits,
 )
@@ -275,9 +276,9 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
         row["config"] = asdict(config)
     tokens = case.total_tokens
     if not mixed:  # equal lengths take the equal-parts plan: how much of the GPU it fills
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         fp8_cfg = config or pick_config(latent, heads, True, fp8=True, tokens=tokens)
-        row["fp8_split_plan_sm_share"] = split_plan_sm_share(fp8_cfg, batch, heads, ctx, sms)
+        row["fp8_split_plan_sm_share"] = split_plan_sm_share(fp8_cfg, batch, heads, ctx,
+                                                             num_sms(q[0].device))  # fmt: skip
     row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
     row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
     row["ours_bf16_TBps"] = tokens * (latent + rope) * 2 / row["ours_bf16_us"] / 1e6

@@ -645,7 +645,7 @@ def test_wgmma_gemm_matches_reference(m, group, split_k, warps, one_launch):
 @hopper
 @pytest.mark.parametrize("m", [8, 16, 64])
 @pytest.mark.parametrize("n,k,group", [(2112, 7168, 32), (16384, 7168, 128)])
-def test_wgmma_candidates_real_shapes(m, n, k, group):
+def test_wgmma_tiles_real_shapes(m, n, k, group):
     """Every Gluon tile at the decode slice's fused q_a + kv_a and at the target shape, its K
     splits added into a zeroed output or met in the workspace (which every call leaves zero)."""
     w = make_weight((n, k), group, True, seed=n)
