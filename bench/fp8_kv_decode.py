@@ -62,10 +62,9 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_TRITON,
     SHORT_SPLITS,
     DecodeConfig,
-    cap_split_tokens,
     num_sms,
     pick_config,
-    plan_splits,
+    split_plan_sm_share,
 )
 from tessera.kernels.paged_kv import FP8_DTYPE, PageTable
 from timing import copy_bandwidth, graph_time_us
@@ -225,19 +224,6 @@ def mla_reference(q, rows, slots, lens, sm, latent, requests=4):
         p = (q[r].double() @ kv.T * sm).softmax(dim=-1)
         out.append(p @ kv[:, :latent])
     return torch.stack(out)
-
-
-def split_plan_sm_share(cfg: DecodeConfig, batch: int, heads: int, ctx: int, sms: int) -> float:
-    """The share of the GPU's program slots that ``cfg``'s equal-parts split plan keeps busy
-    (the plan for lengths unknown on the host): its programs over the whole waves they take.
-    Below 1 where the request count does not divide the slots, e.g. 48 requests on 132 SMs."""
-    programs = batch * -(-heads // cfg.block_h)
-    splits = plan_splits(programs, ctx, cfg.block_n, sms, cfg.programs_per_sm, cfg.whole_waves,
-                         cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
-    splits, _ = cap_split_tokens(splits, 0, ctx, cfg.max_split_tokens, cfg.block_n,
-                                 cfg.max_splits)  # fmt: skip
-    slots, busy = sms * cfg.programs_per_sm, programs * splits
-    return busy / (-(-busy // slots) * slots)
 
 
 def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashmla=None,

@@ -214,7 +214,9 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             wgmma["wgmma_forms_us"] = forms
         per_config, tuner, tuner_rounds = {}, {}, {}
         if candidates:  # every tile the tuner may pick, timed the same way, side by side
-            configs = _candidates(m, n, k) + _wgmma_tiles(xs[0], ws[0])
+            # one of each name: the candidate lists can hold a tile twice
+            configs = list({_short(c): c for c in _candidates(m, n, k)
+                            + _wgmma_tiles(xs[0], ws[0])}.values())  # fmt: skip
             for cfg in configs:
                 per_config[_short(cfg)] = graph_time_us(
                     lambda i, xs=xs, c=cfg: w4a16_matmul(xs[i % 4], ws[i % sets], c), sets

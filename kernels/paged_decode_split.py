@@ -196,12 +196,47 @@ def prefers_stream(
     )
 
 
+# The e4m3 kernels' split plan for lengths unknown on the host (SGLang's call) holds one program
+# an SM in one wave, so a request count that does not divide the SM count leaves SMs idle for
+# the whole kernel (``split_plan_sm_share``). Below this share the stream schedule, which plans
+# on the GPU, is the FP8 default at up to 16 heads: on the H100 it ran 0.67-0.90x the split
+# plan at shares 0.51-0.61 (67, 80 and 8-heads 160 requests of 4k-8k), 0.87-0.99x at 0.73-0.76
+# except 1.08x at 48 of 4k (bench/results/fp8_kv_flashmla_split_share_h100.json); at
+# shares of 0.91-0.97 it lost (1.10x at 128 of 4k).
+STREAM_MIN_SM_SHARE = 0.8
+
+
+def split_plan_sm_share(
+    cfg: DecodeConfig, batch: int, heads: int, max_seq_len: int, sms: int
+) -> float:
+    """The share of the GPU's program slots that ``cfg``'s equal-parts split plan (lengths
+    unknown on the host) keeps busy: its programs over the whole waves they take. Below 1 where
+    the request count does not divide the slots, e.g. 48 requests on 132 SMs."""
+    programs = batch * triton.cdiv(heads, cfg.block_h)
+    splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
+                         cfg.whole_waves, cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
+    splits, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
+                                 cfg.max_splits)  # fmt: skip
+    slots, busy = sms * cfg.programs_per_sm, programs * splits
+    return busy / (triton.cdiv(busy, slots) * slots)
+
+
 def with_stream(
-    cfg: DecodeConfig, total_tokens: int | None, batch: int, max_seq_len: int
-) -> DecodeConfig:
-    """``cfg``, or where its batch prefers the stream schedule (``prefers_stream``) the kernel on
-    it: for the 16-heads FP8 Gluon kernels the e4m3 one, from 64 heads the heads-as-M one."""
+    cfg: DecodeConfig, total_tokens: int | None, batch: int, max_seq_len: int, heads: int,
+    sms: int,
+) -> DecodeConfig:  # fmt: skip
+    """``cfg``, or where its batch prefers the stream schedule the kernel on it: for the
+    16-heads FP8 Gluon kernels the e4m3 one where the lengths are known to be uneven
+    (``prefers_stream``) or, unknown, where the e4m3 kernels' split plan would leave SMs idle
+    (``STREAM_MIN_SM_SHARE``); from 64 heads the heads-as-M one where the lengths are uneven."""
     if (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
+        return MLA_FP8_E4M3_STREAM
+    if (
+        cfg.e4m3
+        and total_tokens is None
+        and batch <= STREAM_MAX_BATCH
+        and split_plan_sm_share(cfg, batch, heads, max_seq_len, sms) < STREAM_MIN_SM_SHARE
+    ):
         return MLA_FP8_E4M3_STREAM
     if cfg.heads_m and prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH,
                                       HEADS_STREAM_MIN_TOKENS):  # fmt: skip
@@ -1074,16 +1109,16 @@ def paged_decode(
     if tokens is None:
         tokens = min(batch * max_seq_len, table.max_tokens)
     cfg = config or pick_config(dim, group, v_from_k, fp8=scales is not None, tokens=tokens)
-    if config is None:
-        cfg = with_stream(cfg, total_tokens, batch, max_seq_len)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    sms = num_sms(q.device)
+    if config is None:
+        cfg = with_stream(cfg, total_tokens, batch, max_seq_len, group, sms)
     if (cfg.wgmma or cfg.e4m3) and (interpreted or not is_hopper(q.device)):
         cfg = MLA_FP8_TRITON
     if cfg.heads_m and (interpreted or not is_hopper(q.device)):
         cfg = MLA_HEADS_TRITON
     head_blocks = triton.cdiv(group, cfg.block_h)
     programs = batch * num_kv_heads * head_blocks
-    sms = num_sms(q.device)
     if cfg.stream and batch > (HEADS_STREAM_MAX_BATCH if cfg.heads_m else STREAM_MAX_BATCH):
         cfg = replace(cfg, stream=False)  # a caller's stream config, past what it takes
     if v_from_k and (cfg.wgmma or cfg.e4m3):  # the Gluon kernels' shapes

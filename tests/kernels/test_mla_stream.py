@@ -26,6 +26,7 @@ from tessera.kernels.paged_decode_split import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_N = 64
+SMS = 132  # an H200's
 
 
 @pytest.mark.parametrize("head_blocks", [1, 2, 3])
@@ -68,19 +69,20 @@ def test_uneven_batches_take_the_stream_kernel_of_their_head_count(heads, fp8):
     requests (their ends share the kernel's shared memory)."""
     mix = [1024, 2048, 4096, 8192] * 16
     cfg = pick_config(512, heads, mla=True, fp8=fp8, tokens=sum(mix))
-    streamed = with_stream(cfg, sum(mix), len(mix), max(mix))
+    streamed = with_stream(cfg, sum(mix), len(mix), max(mix), heads, SMS)
     if heads >= 64:
         assert (cfg, streamed) == (MLA_HEADS_M, MLA_HEADS_M_STREAM)
     else:
         assert streamed == (MLA_FP8_E4M3_STREAM if fp8 else cfg)
-    assert with_stream(cfg, len(mix) * 8192, len(mix), 8192) == cfg  # equal lengths
-    assert with_stream(cfg, None, len(mix), max(mix)) == cfg  # no total given
+    assert with_stream(cfg, len(mix) * 8192, len(mix), 8192, heads, SMS) == cfg  # equal lengths
+    assert with_stream(cfg, None, len(mix), max(mix), heads, SMS) == cfg  # no total given
     small = mix[:16]  # 61,440 tokens: the heads-as-M kernel's smallest stream batch
     assert sum(small) == HEADS_STREAM_MIN_TOKENS < STREAM_MIN_TOKENS
-    assert with_stream(cfg, sum(small), 16, 8192) == (MLA_HEADS_M_STREAM if heads >= 64 else cfg)
-    assert with_stream(cfg, sum(mix[:8]), 8, 8192) == cfg
+    want = MLA_HEADS_M_STREAM if heads >= 64 else cfg
+    assert with_stream(cfg, sum(small), 16, 8192, heads, SMS) == want
+    assert with_stream(cfg, sum(mix[:8]), 8, 8192, heads, SMS) == cfg
     many = [64, 8192] * (HEADS_STREAM_MAX_BATCH // 2 + 1)
-    past = with_stream(cfg, sum(many), len(many), 8192)
+    past = with_stream(cfg, sum(many), len(many), 8192, heads, SMS)
     assert past == (cfg if heads >= 64 or not fp8 else MLA_FP8_E4M3_STREAM)
 
 
