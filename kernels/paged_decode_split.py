@@ -144,7 +144,8 @@ MLA_FP8_E4M3_Q_IN_CONSUMER = replace(MLA_FP8_E4M3, q_in_consumer=True)
 MLA_HEADS_M = DecodeConfig(64, 64, 8, 1, True, 1, whole_waves=True, heads_m=True)
 MLA_HEADS_TRITON = DecodeConfig(32, 64, 8, 2, True, programs_per_sm=1, whole_waves=True)
 # The heads-as-M kernel on the stream schedule: the default from 64 heads where the batch's
-# lengths are known to be uneven (``prefers_stream``), for up to HEADS_STREAM_MAX_BATCH requests.
+# lengths are known to be uneven (``prefers_stream``) or, unknown, where the split plan leaves
+# SMs idle (``STREAM_MIN_SM_SHARE``), for up to HEADS_STREAM_MAX_BATCH requests.
 MLA_HEADS_M_STREAM = replace(MLA_HEADS_M, stream=True)
 # the most requests it takes: their tile ends (4 bytes each) share the 227 KB of an SM's shared
 # memory with the query, two tiles, their scales and p (225 KB)
@@ -168,7 +169,8 @@ E4M3_IN_PLACE_MIN_TOKENS = 131072
 # beside the e4m3 kernel's 200 KB); larger batches take the split plan
 STREAM_MAX_BATCH = 4096
 # The e4m3 kernel on the stream schedule, one wave: the FP8 default at up to 16 heads where the
-# batch's lengths are known to be uneven (``prefers_stream``). Against the fastest split kernel
+# batch's lengths are known to be uneven (``prefers_stream``) or, unknown, where the split plan
+# leaves SMs idle (``STREAM_MIN_SM_SHARE``). Against the fastest split kernel
 # on the 1k-8k mixes (bench/results/fp8_kv_flashmla_stream_grid.json, every kernel timed on
 # every shape): 1.11-1.22x at 64 and 256 requests, 1.01-1.11x at 32, 0.88x (16 heads) and
 # 1.02x (8) at 16; on equal lengths from 98,304 tokens 0.77-0.97x. Two waves: 0.75-0.91x of one
@@ -196,14 +198,20 @@ def prefers_stream(
     )
 
 
-# The e4m3 kernels' split plan for lengths unknown on the host (SGLang's call) holds one program
+# The Gluon kernels' split plan for lengths unknown on the host (SGLang's call) holds one program
 # an SM in one wave, so a request count that does not divide the SM count leaves SMs idle for
 # the whole kernel (``split_plan_sm_share``). Below this share the stream schedule, which plans
-# on the GPU, is the FP8 default at up to 16 heads: on the H100 it ran 0.67-0.90x the split
-# plan at shares 0.51-0.61 (67, 80 and 8-heads 160 requests of 4k-8k), 0.87-0.99x at 0.73-0.76
-# except 1.08x at 48 of 4k (bench/results/fp8_kv_flashmla_split_share_h100.json); at
-# shares of 0.91-0.97 it lost (1.10x at 128 of 4k).
+# on the GPU, is the default. Measured on the H100 (bench/results/
+# fp8_kv_flashmla_split_share_h100.json, _split_share_check_h100.json), stream over split plan:
+# - FP8 at 8-16 heads, 64-240 requests of 2k-16k: 0.65-1.00x at shares 0.51-0.79 (tied at 96
+#   and 100 of 4k), 1.00-1.10x at 0.91-0.97;
+# - below 64 requests it lost at 4k (1.08x at 48, 1.23x at 34) and won from 16k (0.67-0.95x):
+#   a fixed cost of 6-13 us that short contexts do not repay, so fewer requests keep the split
+#   plan (SHARE_STREAM_MIN_BATCH);
+# - 64 and 128 heads (the heads-as-M kernel), BF16 and FP8, 48 and 67 requests of 4k-8k:
+#   0.57-0.93x.
 STREAM_MIN_SM_SHARE = 0.8
+SHARE_STREAM_MIN_BATCH = 64
 
 
 def split_plan_sm_share(
@@ -225,22 +233,25 @@ def with_stream(
     cfg: DecodeConfig, total_tokens: int | None, batch: int, max_seq_len: int, heads: int,
     sms: int,
 ) -> DecodeConfig:  # fmt: skip
-    """``cfg``, or where its batch prefers the stream schedule the kernel on it: for the
-    16-heads FP8 Gluon kernels the e4m3 one where the lengths are known to be uneven
-    (``prefers_stream``) or, unknown, where the e4m3 kernels' split plan would leave SMs idle
-    (``STREAM_MIN_SM_SHARE``); from 64 heads the heads-as-M one where the lengths are uneven."""
-    if (cfg.wgmma or cfg.e4m3) and prefers_stream(total_tokens, batch, max_seq_len):
-        return MLA_FP8_E4M3_STREAM
-    if (
-        cfg.e4m3
-        and total_tokens is None
-        and batch <= STREAM_MAX_BATCH
+    """``cfg``, or the kernel of its head count on the stream schedule (for the 16-heads FP8
+    Gluon kernels the e4m3 one, from 64 heads the heads-as-M one) where the batch's lengths are
+    known to be uneven (``prefers_stream``) or, unknown, where the split plan would leave SMs
+    idle (``STREAM_MIN_SM_SHARE``)."""
+    idle = (
+        total_tokens is None
+        and (cfg.e4m3 or cfg.heads_m)
         and split_plan_sm_share(cfg, batch, heads, max_seq_len, sms) < STREAM_MIN_SM_SHARE
-    ):
-        return MLA_FP8_E4M3_STREAM
-    if cfg.heads_m and prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH,
-                                      HEADS_STREAM_MIN_TOKENS):  # fmt: skip
-        return MLA_HEADS_M_STREAM
+    )
+    if cfg.wgmma or cfg.e4m3:
+        if prefers_stream(total_tokens, batch, max_seq_len) or (
+            idle and SHARE_STREAM_MIN_BATCH <= batch <= STREAM_MAX_BATCH
+        ):
+            return MLA_FP8_E4M3_STREAM
+    if cfg.heads_m:
+        uneven = prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH,
+                                HEADS_STREAM_MIN_TOKENS)  # fmt: skip
+        if uneven or (idle and batch <= HEADS_STREAM_MAX_BATCH):
+            return MLA_HEADS_M_STREAM
     return cfg
 
 
