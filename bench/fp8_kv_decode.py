@@ -226,6 +226,18 @@ def mla_reference(q, rows, slots, lens, sm, latent, requests=4):
     return torch.stack(out)
 
 
+# set by --bound: the longest length ours are told of instead of the context (0: the context)
+BOUND = 0
+
+
+def with_table_bound(table: PageTable, tokens: int) -> PageTable:
+    """``table`` with entries for ``tokens`` tokens (zeros past its own), so the bound on the
+    batch's tokens the kernels read from it (``PageTable.max_tokens``) is ``tokens``."""
+    entries = tokens * table.entries_per_page // table.page_size
+    pad = max(entries - table.indices.numel(), 0)
+    return replace(table, indices=torch.cat([table.indices, table.indices.new_zeros(pad)]))
+
+
 def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashmla=None,
               lens=None, variants=None):  # fmt: skip
     """Ours (BF16, FP8 with a scale per token) against SGLang's Triton decode and FlashMLA
@@ -245,7 +257,9 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
          for _ in range(case.sets)]  # fmt: skip
     out = torch.empty(batch, heads, latent, device="cuda", dtype=torch.bfloat16)
     sm = (128 + rope) ** -0.5
-    plan = {"max_seq_len": ctx, "total_tokens": case.total_tokens if mixed else None}
+    plan = {"max_seq_len": BOUND or ctx, "total_tokens": case.total_tokens if mixed else None}
+    if BOUND:  # tables that address batch x BOUND tokens, as SGLang's graph buffers do
+        case.tables = [with_table_bound(t, batch * BOUND) for t in case.tables]
     cfg = {"config": config} if config else {}
 
     def ours_bf16(i, c=cfg):
@@ -263,7 +277,7 @@ def bench_mla(batch, ctx, heads, page_size, sglang, copy_bw, config=None, flashm
     tokens = case.total_tokens
     if not mixed:  # equal lengths take the equal-parts plan: how much of the GPU it fills
         fp8_cfg = config or pick_config(latent, heads, True, fp8=True, tokens=tokens)
-        row["fp8_split_plan_sm_share"] = split_plan_sm_share(fp8_cfg, batch, heads, ctx,
+        row["fp8_split_plan_sm_share"] = split_plan_sm_share(fp8_cfg, batch, heads, BOUND or ctx,
                                                              num_sms(q[0].device))  # fmt: skip
     row["ours_bf16_us"] = graph_time_us(ours_bf16, case.sets)
     row["ours_fp8_us"] = graph_time_us(ours_fp8, case.sets)
@@ -446,6 +460,8 @@ MLA_PEER_VARIANTS = {
     # ``programs_per_sm`` is its waves: the kernel holds one program an SM)
     "e4m3_128_two_waves": ("fp8", replace(MLA_FP8_E4M3_128, programs_per_sm=2)),
     "e4m3_128_three_waves": ("fp8", replace(MLA_FP8_E4M3_128, programs_per_sm=3)),
+    # the token cap kept by more splits where the lengths are unknown, not by pieces of each
+    "e4m3_128_capped_by_splits": ("fp8", replace(MLA_FP8_E4M3_128, split_tokens_capped=True)),
     # the register one on the stream schedule (mla_stream.py): one program an SM, each an equal
     # run of the batch's tiles across requests
     "e4m3_stream": ("fp8", MLA_FP8_E4M3_STREAM),
@@ -719,6 +735,10 @@ def main() -> None:
                     help="--mla-peers: these HEADSxBATCHxCONTEXT shapes (comma-separated; "
                          "CONTEXT 'mix': the decode slice's mix of lengths) instead of the "
                          "grid")  # fmt: skip
+    ap.add_argument("--bound", type=int, default=0,
+                    help="--mla-peers: tell ours the longest length is this (and the tables "
+                         "address batch x this many tokens), as SGLang's adapter does under "
+                         "CUDA graphs with the context length; FlashMLA is unchanged")  # fmt: skip
     ap.add_argument("--sglang-kernel", type=Path, help="SGLang's decode_attention.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
@@ -756,6 +776,10 @@ def main() -> None:
         name += f"_from{args.min_heads}heads"
     if args.mla_peers and args.shapes:
         name += "_shapes"
+    if args.bound:
+        global BOUND
+        BOUND = args.bound
+        name += f"_bound{args.bound}"
     out_file = args.out / (f"{name}_quick.json" if args.quick else f"{name}.json")
 
     def add(row, line):  # saved after every row: a run cut short keeps what it measured
@@ -833,6 +857,8 @@ def _command_line(args) -> str:
         words += ["--only", args.only]
     if args.shapes:
         words += ["--shapes", args.shapes]
+    if args.bound:
+        words += ["--bound", str(args.bound)]
     if args.sglang_kernel:
         path = args.sglang_kernel.resolve()
         shown = path.relative_to(repo) if path.is_relative_to(repo) else path.name

@@ -116,6 +116,8 @@ def gluon_report(
         if e4m3 and not in_place:
             constexprs["Q_IN_CONSUMER"] = q_in_consumer
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
+    if e4m3 and not in_place and not stream_batch:
+        scalars = (*SCALARS, "piece_len", "pieces")  # its splits in pieces (plan_pieces)
     if stream_batch:
         fn = mla_heads_stream_kernel if heads >= 64 else mla_fp8_e4m3_stream_kernel
         del constexprs["BALANCED"]

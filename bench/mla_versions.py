@@ -37,7 +37,25 @@ def load_version(name: str, path: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # Gluon's compiler looks the module up by name
     spec.loader.exec_module(module)
-    return module.mla_fp8_e4m3_kernel
+    kernel = module.mla_fp8_e4m3_kernel
+    return kernel if "pieces" in kernel.arg_names else WholeSplits(kernel)
+
+
+class WholeSplits:
+    """A version from before the kernel cut its splits into pieces (``plan_pieces``), launched
+    the way the current one is: the piece arguments dropped where there is one piece a split."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*, piece_len, pieces, **kwargs):
+            if pieces != 1:
+                raise ValueError(f"{pieces} pieces a split: this version runs whole splits only "
+                                 "(a shape whose splits fit the token cap)")  # fmt: skip
+            return self.kernel[grid](**kwargs)
+
+        return launch
 
 
 def main() -> None:

@@ -404,25 +404,36 @@ def _consume(
 @gluon.jit
 def _consumer(
     start, end, sm_scale_log2e, q_unit, Q, stride_qb, stride_qh, qq_lat, qq_rope, k_lat_all,
-    k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b, split, hb, num_heads,
-    stride_pb, stride_ph, stride_ps, D: gl.constexpr, D_ROPE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, Q_IN_CONSUMER: gl.constexpr,
-    ONLY: gl.constexpr,
+    k_rope_all, scales_all, p_s, loaded, empty, part_out, part_lse, b, split, num_splits,
+    piece_len, pieces, hb, num_heads, stride_pb, stride_ph, stride_ps, D: gl.constexpr,
+    D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    Q_IN_CONSUMER: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """One split: its query where ``Q_IN_CONSUMER`` (else ``q_unit`` and the buffers hold it
-    already), its tiles, then its partial output and log-sum-exp."""
+    already), then its tiles in ``pieces`` pieces of ``piece_len`` tokens (the last takes the
+    rest), each with its own accumulator and its own partial output and log-sum-exp, in slot
+    ``piece * num_splits + split``: the tensor cores add an e4m3 product into the accumulator
+    with fewer bits than fp32, so the error grows with the tiles one accumulator takes, and a
+    piece bounds them without another program (``plan_pieces``)."""
     if Q_IN_CONSUMER:
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
                           BLOCK_H, _consumer_warps(BLOCK_N))  # fmt: skip
         fence_async_shared()  # q's stores, before the products read it
-    acc, acc_unit, m, l = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-                                   k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
-                                   BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
     mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
-    _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, split, hb, num_heads, stride_pb,
-                   stride_ph, stride_ps, _row_dims(gl.SliceLayout(1, mma), D,
-                                                   _consumer_warps(BLOCK_N)),
-                   BLOCK_H, mma, mma)  # fmt: skip
+    dims = _row_dims(gl.SliceLayout(1, mma), D, _consumer_warps(BLOCK_N))
+    it = 0
+    for piece in range(pieces):
+        lo = gl.minimum(start + piece * piece_len, end)
+        hi = gl.minimum(lo + piece_len, end)
+        if piece == pieces - 1:
+            hi = end
+        acc, acc_unit, m, l = _consume(lo, hi, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+                                       k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
+                                       BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+        it += gl.cdiv(hi - lo, BLOCK_N)
+        _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, piece * num_splits + split,
+                       hb, num_heads, stride_pb, stride_ph, stride_ps, dims, BLOCK_H, mma,
+                       mma)  # fmt: skip
 
 
 @gluon.jit
@@ -537,6 +548,8 @@ def mla_fp8_e4m3_kernel(
     stride_pb,
     stride_ph,
     stride_ps,
+    piece_len,
+    pieces,
     PAGE_SIZE: gl.constexpr,
     ENTRIES_PER_PAGE: gl.constexpr,
     LENS_ARE_ENDS: gl.constexpr,
@@ -550,10 +563,11 @@ def mla_fp8_e4m3_kernel(
 ):
     """Stage 1: the producer warpgroup copies raw tiles, the consumer (the kernel's warps: one
     warpgroup for 64-token tiles, two for 128) reads their V^T and runs both e4m3 products and
-    the softmax. ``Q_IN_CONSUMER``: the consumer writes the query's e4m3 parts while the
-    producer starts on the tiles, instead of the whole program writing them before either
-    side starts. ``ONLY``, for measuring: ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that
-    side's work alone."""
+    the softmax, a split in ``pieces`` pieces of ``piece_len`` tokens (``_consumer``; partial
+    outputs ``[batch, heads, pieces x num_splits, D]``). ``Q_IN_CONSUMER``: the consumer
+    writes the query's e4m3 parts while the producer starts on the tiles, instead of the whole
+    program writing them before either side starts. ``ONLY``, for measuring:
+    ``PRODUCER_ONLY`` or ``CONSUMER_ONLY`` runs that side's work alone."""
     gl.static_assert((BLOCK_N == 64) | (BLOCK_N == 128), "a warpgroup's MMA has M = 64")
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -576,8 +590,9 @@ def mla_fp8_e4m3_kernel(
         [
             (_consumer, (start, end, sm_scale_log2e, q_unit, Q, stride_qb, stride_qh, qq_lat,
                          qq_rope, k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
-                         part_out, part_lse, b, split, hb, num_heads, stride_pb, stride_ph,
-                         stride_ps, D, D_ROPE, BLOCK_H, BLOCK_N, Q_IN_CONSUMER, ONLY)),
+                         part_out, part_lse, b, split, num_splits, piece_len, pieces, hb,
+                         num_heads, stride_pb, stride_ph, stride_ps, D, D_ROPE, BLOCK_H,
+                         BLOCK_N, Q_IN_CONSUMER, ONLY)),
             (_produce, (KV, KV_SCALE, indices, row, start, end, 0, stride_kv_slot,
                         stride_s_slot, k_lat_all, k_rope_all, scales_all, loaded, empty,
                         PAGE_SIZE, ENTRIES_PER_PAGE, BLOCK_N, D, D_ROPE, ONLY)),

@@ -72,8 +72,11 @@ class DecodeConfig:
     # ... with the query's e4m3 parts written by its consumer while the producer starts on the
     # tiles (mla_decode_e4m3.py's Q_IN_CONSUMER), not by the whole program before either starts
     q_in_consumer: bool = False
-    # at most this many tokens a split (0: no limit), whatever the plan would give
+    # at most this many tokens a split (0: no limit), whatever the plan would give; the e4m3
+    # kernel keeps it by cutting its splits into pieces where the lengths are unknown
+    # (``plan_pieces``), unless ``split_tokens_capped``: by more splits (``cap_split_tokens``)
     max_split_tokens: int = 0
+    split_tokens_capped: bool = False
     # the e4m3 kernel on the stream schedule (mla_stream.py): one program an SM, each taking an
     # equal run of the batch's tiles across requests, instead of a split plan
     stream: bool = False
@@ -353,6 +356,23 @@ def cap_split_tokens(
             max_seq_len, max_splits * block_n) * block_n))  # fmt: skip
         return max(1, triton.cdiv(max_seq_len, fixed_split_len)), fixed_split_len
     return min(max(splits, triton.cdiv(max_seq_len, cap)), max_splits), 0
+
+
+def plan_pieces(
+    max_seq_len: int, splits: int, block_n: int, cap: int, max_slots: int
+) -> tuple[int, int]:  # fmt: skip
+    """(pieces, tokens a piece) for a kernel that cuts each of a request's ``splits`` equal
+    parts into pieces of at most ``cap`` tokens, each with its own partial output (the e4m3
+    kernel, ``_consumer``): as many as the longest part (``max_seq_len`` in ``splits`` parts of
+    whole tiles) needs, so the cap costs slots for partial outputs instead of programs. At most
+    ``max_slots`` slots a request (splits x pieces; past that the last piece takes the rest, the
+    cap's accuracy lost, no token). (1, 0) with no cap."""
+    if not cap:
+        return 1, 0
+    piece_len = max(cap // block_n, 1) * block_n
+    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
+    pieces = min(triton.cdiv(split_len, piece_len), max(max_slots // splits, 1))
+    return pieces, piece_len
 
 
 # how far past a wave the one-wave balanced plan's estimate may go before two waves pay
@@ -1163,10 +1183,15 @@ def paged_decode(
         _stream_decode(q, k_rows, kv_scale, table, sm_scale, rope_dim, out, cfg, tokens, sms)
         return out
     limits = {"min_tiles": cfg.min_split_tiles, "max_splits": cfg.max_splits}
+    pieces, piece_len = 1, 0
+    in_pieces = cfg.e4m3 and not (cfg.e4m3_in_place or cfg.split_tokens_capped)
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
         splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
                              cfg.whole_waves, **limits)  # fmt: skip
+        if in_pieces:  # the token cap by pieces of each split, not by more programs
+            pieces, piece_len = plan_pieces(max_seq_len, splits, cfg.block_n,
+                                            cfg.max_split_tokens, cfg.max_splits)  # fmt: skip
     else:
         splits, fixed_split_len = plan_balanced_waves(
             total_tokens * num_kv_heads * head_blocks,
@@ -1177,12 +1202,15 @@ def paged_decode(
             cfg.balanced_waves,
             **limits,
         )
-    splits, fixed_split_len = cap_split_tokens(
-        splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n, cfg.max_splits
-    )
+    if pieces == 1:
+        splits, fixed_split_len = cap_split_tokens(
+            splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n,
+            cfg.max_splits,
+        )  # fmt: skip
 
-    part_out = torch.empty(batch, num_heads, splits, dv, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    slots = splits * pieces  # the partial outputs a request: piece p of split s in p x splits + s
+    part_out = torch.empty(batch, num_heads, slots, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scales if scales is not None else (k_rows, v_rows)  # unused when BF16
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_registers and not interpreted:
@@ -1211,7 +1239,9 @@ def paged_decode(
             if cfg.e4m3_in_place:
                 kernel, flags = mla_fp8_e4m3_inplace_kernel, {}
             else:
-                kernel, flags = mla_fp8_e4m3_kernel, {"Q_IN_CONSUMER": cfg.q_in_consumer}
+                kernel, flags = mla_fp8_e4m3_kernel, {"Q_IN_CONSUMER": cfg.q_in_consumer,
+                                                      "piece_len": piece_len or max_seq_len,
+                                                      "pieces": pieces}  # fmt: skip
             kernel[(programs, splits)](
                 ONLY=cfg.only, **flags, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")
             )

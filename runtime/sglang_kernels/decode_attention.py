@@ -13,8 +13,8 @@ included), ``kv_indptr``/``kv_indices`` become a :class:`PageTable` read at the 
 each page (SGLang's paged allocator keeps token ``p`` at offset ``p % page_size`` of its page;
 with ``page_size`` 1 every slot is read), the lengths are ``kv_indptr``'s differences (taken
 by the kernel itself: no launch, no host sync), and ``o`` is the output. The split count is
-sized from ``kv_indices``' length, a bound known on the host, so the call can be captured in a
-CUDA graph.
+sized from a bound on the longest request known on the host (:func:`longest_bound`, from the
+tables' sizes), so the call can be captured in a CUDA graph.
 SGLang's split scratch is not used.
 
 Anything the kernels do not implement goes to SGLang's original function (see :func:`unsupported`).
@@ -121,6 +121,22 @@ def unsupported(
     return None
 
 
+def longest_bound(indices: int, attn_rows: int, batch: int, capturing: bool) -> int:
+    """A bound on the batch's longest request, known on the host, from the sizes of SGLang's
+    tables. Eagerly ``kv_indices`` holds the batch's own token slots (``seq_lens_sum`` of them,
+    or batch x the context length where that sum is unknown) and ``attn_logits`` a row a
+    request, so the slots bound every request's length. For CUDA graphs SGLang's Triton backend
+    passes its graph buffers whole, in the capture and the warm-up runs before it: ``kv_indices``
+    of (largest captured batch) x (context length) slots and ``attn_logits`` of that many rows
+    (``init_cuda_graph_state``, 0.5.23), so their ratio is the context length; the whole buffer
+    would count every row of every graph as one request's (the FP8 e4m3 kernel's token cap
+    would then plan its most pieces or splits for any batch). The buffers show as more rows
+    than requests, or as a capture (the largest batch's graph has as many)."""
+    if attn_rows > 0 and (capturing or attn_rows > batch):
+        return max(indices // attn_rows, 1)
+    return max(indices, 1)
+
+
 @functools.cache
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A 0-dim float32 tensor (a per-tensor FP8 scale); made once per value and device, so CUDA
@@ -139,14 +155,17 @@ def tessera_decode(
     k_scale: float,
     v_scale: float,
     page_size: int = 1,
+    attn_rows: int = 0,
 ) -> None:
-    """Write ``o`` with tessera's kernel for a call that :func:`unsupported` accepted."""
+    """Write ``o`` with tessera's kernel for a call that :func:`unsupported` accepted
+    (``attn_rows``: the rows of SGLang's ``attn_logits``, for :func:`longest_bound`)."""
     batch = q.shape[0]
     # SGLang's paged allocator keeps a request's token p at offset p % page_size of its page, so
     # with pages the kernel reads one slot per page and streams whole pages (measured on the
     # H200: the per-token form cost MLA FP8 decode +52-57%, GQA FP8 up to +19%).
     table = PageTable.from_sglang_indptr(kv_indptr, kv_indices, batch, page_size)
-    bound = max(int(kv_indices.numel()), 1)  # >= every request's length; known on the host
+    bound = longest_bound(kv_indices.numel(), attn_rows, batch,
+                          q.is_cuda and torch.cuda.is_current_stream_capturing())  # fmt: skip
     fp8 = k_buffer.dtype == FP8_DTYPE
     if is_mla_form(k_buffer, v_buffer):
         if fp8:
@@ -240,6 +259,7 @@ def make_routed(
                 k_scale,
                 v_scale,
                 page_size,
+                attn_logits.shape[0],
             )
             return
         fallbacks.record(DECODE_ATTENTION, reason)

@@ -264,3 +264,41 @@ def test_gpu_mla_real_shapes_routed_equals_sglang(kv_dtype):
     ours = call(routed(Fallbacks()), *args, splits=8, has_mla=True)
     theirs = call(sglang_decode.decode_attention_fwd, *args, splits=8, has_mla=True)
     check(kv_dtype, ours, theirs, *args[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [66, 70])  # the split plan in pieces; the stream schedule
+def test_gpu_mla_fp8_through_sglang_graph_buffers_matches_reference(batch):
+    """FP8 MLA as SGLang's CUDA-graph decode calls it: ``kv_indices`` and ``attn_logits`` its
+    graph buffers, whole (rows x context slots, rows past the batch), the call captured in a
+    graph and replayed. The bound the adapter takes from them is the context (64k), so the e4m3
+    kernel cuts 32k-token splits into pieces (66 requests: 2 splits of 4 pieces) or the stream
+    schedule plans within it (70: one wave leaves SMs idle), and a 20k request's tokens stay
+    within the token cap's pieces."""
+    rows, context, heads, latent, scale = 80, 65536, 16, 512, 0.05
+    lens = ([20000, 17, 9000, 64, 4096] * 14)[:batch]
+    indptr, indices, slots = sglang_table(lens, 64)
+    buffer = torch.zeros(rows * context, dtype=torch.int64, device=DEVICE)
+    buffer[: indices.numel()] = indices
+    q = torch.randn(batch, heads, latent + 64, device=DEVICE).bfloat16()
+    kv = to_fp8(torch.randn(slots, 1, latent + 64, device=DEVICE), scale)
+    o = torch.full((batch, heads, latent), float("nan"), dtype=q.dtype, device=DEVICE)
+    logits = torch.empty(rows, heads, 8, latent, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(rows, heads, 8, dtype=torch.float32, device=DEVICE)
+    splits = torch.full((rows,), 8, dtype=torch.int32, device=DEVICE)
+    args = (q, kv, kv[..., :latent], o, indptr, buffer, logits, lse, splits, 8,
+            (128 + 64) ** -0.5, scale, scale)  # fmt: skip
+    fn = routed(Fallbacks())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args, has_mla=True, page_size=64)  # the warm-up run SGLang makes before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args, has_mla=True, page_size=64)
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(q, kv, kv[..., :latent], indptr, indices, (128 + 64) ** -0.5, scale, scale)
+    assert_close(o, ref)

@@ -26,6 +26,7 @@ from tessera.runtime.sglang_kernels import (
     verify,
 )
 from tessera.runtime.sglang_kernels.contract import DECODE_ATTENTION_FWD, Target, signature_problem
+from tessera.runtime.sglang_kernels.decode_attention import longest_bound
 from tessera.runtime.sglang_kernels.plugin import apply, load
 
 pytest.importorskip("sglang")
@@ -354,3 +355,13 @@ def test_moe_layer_decisions(kwargs, reason):
 
     got = moe_unsupported(*moe_scheme_and_layer(**kwargs))
     assert got is None if reason is None else reason in got
+
+
+def test_longest_bound_reads_the_context_from_sglangs_graph_buffers() -> None:
+    rows, context = 256, 131072  # SGLang's graph buffers: rows x context slots, rows of logits
+    assert longest_bound(rows * context, rows, 64, capturing=True) == context
+    assert longest_bound(rows * context, rows, 64, capturing=False) == context  # its warm-up
+    assert longest_bound(rows * context, rows, rows, capturing=True) == context  # largest graph
+    # eagerly the table holds the batch's own slots: their count bounds every request
+    assert longest_bound(3 * 4096 + 17, 4, 4, capturing=False) == 3 * 4096 + 17
+    assert longest_bound(0, 0, 0, capturing=False) == 1

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from tessera.kernels.paged_decode_split import (
+    E4M3_MAX_SPLIT_TOKENS,
     HEADS_STREAM_MAX_BATCH,
     MLA_FP8_E4M3_128,
     MLA_FP8_E4M3_IN_PLACE,
@@ -19,6 +20,7 @@ from tessera.kernels.paged_decode_split import (
     SHARE_STREAM_MIN_BATCH,
     STREAM_MIN_SM_SHARE,
     pick_config,
+    plan_pieces,
     split_plan_sm_share,
     with_stream,
 )
@@ -78,3 +80,23 @@ def test_the_share_rule_leaves_known_totals_and_small_batches_alone() -> None:
     # below the e4m3 kernels' tokens the widening kernel was never timed against the stream
     assert pick_config(512, 16, mla=True, fp8=True, tokens=67 * 1024) == MLA_FP8_WGMMA
     assert with_stream(MLA_FP8_WGMMA, None, 67, 1024, 16, SMS) == MLA_FP8_WGMMA
+
+
+@pytest.mark.parametrize("max_seq_len,splits,pieces", [
+    (4096, 2, 1),  # 2k-token splits: one piece
+    (65536, 2, 4),  # 32k-token splits: four pieces of 8k
+    (65536, 1, 8),
+    (131072, 132, 1),  # one request over every SM: 993 tokens a split
+    (20000, 1, 3),  # the last piece takes the rest (3,616 tokens)
+])
+def test_pieces_keep_the_token_cap_without_more_programs(max_seq_len, splits, pieces) -> None:
+    got, piece_len = plan_pieces(max_seq_len, splits, 128, E4M3_MAX_SPLIT_TOKENS, 256)
+    assert (got, piece_len) == (pieces, E4M3_MAX_SPLIT_TOKENS)
+    split_len = -(-max_seq_len // splits)
+    assert (pieces - 1) * piece_len < split_len <= pieces * piece_len + 127  # whole tiles
+
+
+def test_pieces_stop_at_the_slots_a_request_may_take() -> None:
+    # a bound of rows x context (SGLang's whole graph buffer) asks for thousands of pieces
+    assert plan_pieces(256 * 131072, 2, 128, E4M3_MAX_SPLIT_TOKENS, 256)[0] == 128
+    assert plan_pieces(4096, 2, 128, 0, 256) == (1, 0)  # no cap: one piece
