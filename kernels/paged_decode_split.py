@@ -217,6 +217,12 @@ STREAM_MIN_SM_SHARE = 0.8
 SHARE_STREAM_MIN_BATCH = 64
 
 
+def cuts_in_pieces(cfg: DecodeConfig) -> bool:
+    """Whether ``cfg``'s kernel keeps its token cap by cutting each split into pieces where the
+    lengths are unknown (``plan_pieces``), not by more splits: the e4m3 register kernel."""
+    return cfg.e4m3 and not (cfg.e4m3_in_place or cfg.split_tokens_capped)
+
+
 def split_plan_sm_share(
     cfg: DecodeConfig, batch: int, heads: int, max_seq_len: int, sms: int
 ) -> float:
@@ -226,8 +232,9 @@ def split_plan_sm_share(
     programs = batch * triton.cdiv(heads, cfg.block_h)
     splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
                          cfg.whole_waves, cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
-    splits, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
-                                 cfg.max_splits)  # fmt: skip
+    if not cuts_in_pieces(cfg):
+        splits, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
+                                     cfg.max_splits)  # fmt: skip
     slots, busy = sms * cfg.programs_per_sm, programs * splits
     return busy / (triton.cdiv(busy, slots) * slots)
 
@@ -1184,12 +1191,11 @@ def paged_decode(
         return out
     limits = {"min_tiles": cfg.min_split_tiles, "max_splits": cfg.max_splits}
     pieces, piece_len = 1, 0
-    in_pieces = cfg.e4m3 and not (cfg.e4m3_in_place or cfg.split_tokens_capped)
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
         splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
                              cfg.whole_waves, **limits)  # fmt: skip
-        if in_pieces:  # the token cap by pieces of each split, not by more programs
+        if cuts_in_pieces(cfg):  # the token cap by pieces of each split, not more programs
             pieces, piece_len = plan_pieces(max_seq_len, splits, cfg.block_n,
                                             cfg.max_split_tokens, cfg.max_splits)  # fmt: skip
     else:
