@@ -68,14 +68,18 @@ def test_wgmma_kernel_matches_reference(page_size, balanced, heads):
     [
         MLA_FP8_E4M3, MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE, MLA_FP8_E4M3_STREAM,
         MLA_FP8_E4M3_Q_IN_CONSUMER, replace(MLA_FP8_E4M3_128, q_in_consumer=True),
+        replace(MLA_FP8_E4M3, max_split_tokens=64), replace(MLA_FP8_E4M3_128, max_split_tokens=128),
     ],
-    ids=["regs", "regs_128", "in_place", "stream", "regs_q_in_consumer", "regs_128_q_in_consumer"],
+    ids=["regs", "regs_128", "in_place", "stream", "regs_q_in_consumer", "regs_128_q_in_consumer",
+         "regs_pieces", "regs_128_pieces"],
 )  # fmt: skip
 def test_e4m3_kernel_matches_reference(page_size, balanced, heads, config):
     """Both products in e4m3 (q and p in two parts; V^T an MMA operand in registers, on 64-
     or 128-token tiles, or written over the tile by the producer; the first on the stream
     schedule too): the same edge lengths (around 128-token tiles too), head counts and page
-    tables as the widening kernel, the same tolerance."""
+    tables as the widening kernel, the same tolerance. With a cap of one tile a split the
+    register kernel cuts its splits into pieces (2 to 6 of them, lengths unknown: ``plan_pieces``;
+    known, the balanced plan caps them by more splits)."""
     run_mla("fp8", [1, 63, 64, 65, 127, 129, 700, 3001], page_size, heads, config=config,
             balanced=balanced, sglang_form=page_size == 64)  # fmt: skip
 
