@@ -215,6 +215,11 @@ def prefers_stream(
 #   0.57-0.93x.
 STREAM_MIN_SM_SHARE = 0.8
 SHARE_STREAM_MIN_BATCH = 64
+# ... and where its token cap keeps it within two waves of programs for the bound it is given
+# (``stream_programs``): the measured wins ran one or two (100 x 16k, 180 x 8k: two). A bound
+# far above the lengths, the context SGLang's CUDA graphs give, asks for many more waves of
+# nearly empty programs (9 for 64 requests of a 128k context), which was never timed.
+SHARE_STREAM_MAX_WAVES = 2
 
 
 def cuts_in_pieces(cfg: DecodeConfig) -> bool:
@@ -253,10 +258,15 @@ def with_stream(
         and split_plan_sm_share(cfg, batch, heads, max_seq_len, sms) < STREAM_MIN_SM_SHARE
     )
     if cfg.wgmma or cfg.e4m3:
+        stream = MLA_FP8_E4M3_STREAM
+        programs = stream_programs(batch * max_seq_len, batch, stream.block_n,
+                                   stream.max_split_tokens, 1, sms, stream.balanced_waves)
+        waves = programs // sms
         if prefers_stream(total_tokens, batch, max_seq_len) or (
             idle and SHARE_STREAM_MIN_BATCH <= batch <= STREAM_MAX_BATCH
+            and waves <= SHARE_STREAM_MAX_WAVES
         ):
-            return MLA_FP8_E4M3_STREAM
+            return stream
     if cfg.heads_m:
         uneven = prefers_stream(total_tokens, batch, max_seq_len, HEADS_STREAM_MAX_BATCH,
                                 HEADS_STREAM_MIN_TOKENS)  # fmt: skip

@@ -22,11 +22,13 @@ from tessera.kernels.paged_decode_split import (
     pick_config,
     plan_pieces,
     split_plan_sm_share,
+    stream_programs,
     with_stream,
 )
 
 SMS = 132  # an H200's
-TABLE = 32768  # SGLang's adapter passes the table's length, not the longest request
+LONGEST = 4096  # the longest request, as the bench tells the kernels
+CONTEXT = 131072  # the bound SGLang's CUDA-graph buffers give the adapter
 
 
 @pytest.mark.parametrize("requests,share", [(64, 128 / 132), (128, 128 / 132), (44, 1.0),
@@ -47,31 +49,43 @@ def test_128_heads_take_two_programs_a_request() -> None:
 @pytest.mark.parametrize("cfg", [MLA_FP8_E4M3_128, MLA_FP8_E4M3_IN_PLACE])
 def test_lengths_unknown_take_the_stream_where_the_split_plan_leaves_sms_idle(cfg) -> None:
     for requests in range(1, 300):
-        share = split_plan_sm_share(cfg, requests, 16, TABLE, SMS)
+        share = split_plan_sm_share(cfg, requests, 16, LONGEST, SMS)
         idle = share < STREAM_MIN_SM_SHARE and requests >= SHARE_STREAM_MIN_BATCH
         want = MLA_FP8_E4M3_STREAM if idle else cfg
-        assert with_stream(cfg, None, requests, TABLE, 16, SMS) == want, requests
+        assert with_stream(cfg, None, requests, LONGEST, 16, SMS) == want, requests
     # the measured points: 67 and 100 requests to the stream; 64, 128 and 240 stay, and 48 (a
     # share of 0.73, but below 64 requests, where the stream lost at 4k)
     streamed = [n for n in (48, 64, 67, 100, 128, 240)
-                if with_stream(cfg, None, n, TABLE, 16, SMS) == MLA_FP8_E4M3_STREAM]  # fmt: skip
+                if with_stream(cfg, None, n, LONGEST, 16, SMS) == MLA_FP8_E4M3_STREAM]  # fmt: skip
     assert streamed == [67, 100]
     # 8 heads are one 16-head program a request, as 16 are
-    assert with_stream(cfg, None, 67, TABLE, 8, SMS) == MLA_FP8_E4M3_STREAM
+    assert with_stream(cfg, None, 67, LONGEST, 8, SMS) == MLA_FP8_E4M3_STREAM
+    # two waves of the stream's programs, as at 100 x 16k (measured), still take it
+    assert stream_programs(100 * 16384, 100, 64, E4M3_MAX_SPLIT_TOKENS, 1, SMS) == 2 * SMS
+    assert with_stream(cfg, None, 100, 16384, 16, SMS) == MLA_FP8_E4M3_STREAM
+
+
+def test_a_bound_far_above_the_lengths_keeps_the_split_plan() -> None:
+    """SGLang's graph buffers bound a request by the context: the stream's token cap would
+    then plan 9 waves of programs for 67 requests, most of them empty at 4k (never timed)."""
+    assert stream_programs(67 * CONTEXT, 67, 64, E4M3_MAX_SPLIT_TOKENS, 1, SMS) == 9 * SMS
+    assert with_stream(MLA_FP8_E4M3_128, None, 67, CONTEXT, 16, SMS) == MLA_FP8_E4M3_128
+    # the many-heads stream has no token cap: one wave whatever the bound
+    assert with_stream(MLA_HEADS_M, None, 67, CONTEXT, 64, SMS) == MLA_HEADS_M_STREAM
 
 
 @pytest.mark.parametrize("heads", [64, 128])
 def test_many_heads_take_their_stream_kernel_where_the_split_plan_leaves_sms_idle(heads) -> None:
     """BF16 and FP8 alike: both run the heads-as-M kernel from 64 heads."""
     for requests in range(1, HEADS_STREAM_MAX_BATCH + 1):
-        idle = split_plan_sm_share(MLA_HEADS_M, requests, heads, TABLE, SMS) < STREAM_MIN_SM_SHARE
+        idle = split_plan_sm_share(MLA_HEADS_M, requests, heads, CONTEXT, SMS) < STREAM_MIN_SM_SHARE
         want = MLA_HEADS_M_STREAM if idle else MLA_HEADS_M
-        assert with_stream(MLA_HEADS_M, None, requests, TABLE, heads, SMS) == want, requests
+        assert with_stream(MLA_HEADS_M, None, requests, CONTEXT, heads, SMS) == want, requests
     # the measured points (67 requests at 64 and 128 heads, 48 at 128: 96 programs of 132 in
     # one wave), and 66 requests, which fill the SMs with 2 splits (64 heads) or 1 (128)
     for requests in (48, 67):
-        assert with_stream(MLA_HEADS_M, None, requests, TABLE, heads, SMS) == MLA_HEADS_M_STREAM
-    assert with_stream(MLA_HEADS_M, None, 66, TABLE, heads, SMS) == MLA_HEADS_M
+        assert with_stream(MLA_HEADS_M, None, requests, CONTEXT, heads, SMS) == MLA_HEADS_M_STREAM
+    assert with_stream(MLA_HEADS_M, None, 66, CONTEXT, heads, SMS) == MLA_HEADS_M
 
 
 def test_the_share_rule_leaves_known_totals_and_small_batches_alone() -> None:
