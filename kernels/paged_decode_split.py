@@ -235,13 +235,13 @@ def split_plan_sm_share(
     unknown on the host) keeps busy: its programs over the whole waves they take. Below 1 where
     the request count does not divide the slots, e.g. 48 requests on 132 SMs."""
     programs = batch * triton.cdiv(heads, cfg.block_h)
-    splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
-                         cfg.whole_waves, cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
-    if not cuts_in_pieces(cfg):
-        splits, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
-                                     cfg.max_splits)  # fmt: skip
-    slots, busy = sms * cfg.programs_per_sm, programs * splits
-    return busy / (triton.cdiv(busy, slots) * slots)
+    splits, _, _ = equal_parts_plan(cfg, programs, max_seq_len, sms)
+    return wave_share(programs * splits, sms * cfg.programs_per_sm)
+
+
+def wave_share(programs: int, slots: int) -> float:
+    """``programs`` over the whole waves of ``slots`` they take."""
+    return programs / (triton.cdiv(programs, slots) * slots)
 
 
 def with_stream(
@@ -390,6 +390,38 @@ def plan_pieces(
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
     pieces = min(triton.cdiv(split_len, piece_len), max(max_slots // splits, 1))
     return pieces, piece_len
+
+
+# Where the lengths are unknown, the e4m3 register kernel keeps its token cap by more splits
+# while that stays a few splits a request that fill their waves, and by pieces beyond: side by
+# side on an H100 (bench/results/fp8_kv_flashmla_pieces_h100.json, _pieces_bound131072_h100.json)
+# - told the real longest length, pieces (one wave) took 1.09-1.14x the time of 2-4 splits a
+#   request that fill 97-100% of their waves (128 x 16k, 132 x 32k, 8 heads 128 x 32k; not
+#   explained yet), and 0.82x of 4 splits that fill 56% (37 x 32k);
+# - told a 128k context, as SGLang's graph buffers give, the cap asks 16 splits a request, most
+#   of them nearly empty: pieces took 0.54-0.94x their time on 10 of 11 shapes (1 x 4k to
+#   132 x 32k), 1.09x at 140 x 8k.
+CAPPED_MAX_SPLITS = 4
+CAPPED_MIN_SHARE = 0.9
+
+
+def equal_parts_plan(
+    cfg: DecodeConfig, programs: int, max_seq_len: int, sms: int
+) -> tuple[int, int, int]:  # fmt: skip
+    """(splits a request, pieces a split, tokens a piece) for lengths unknown on the host (each
+    request's length in equal parts, ``max_seq_len`` a bound on the longest): the splits that
+    fill a wave (``plan_splits``), the token cap kept by more splits (``cap_split_tokens``) or,
+    for the e4m3 register kernel where that would take more than ``CAPPED_MAX_SPLITS`` a
+    request or fill its waves less than ``CAPPED_MIN_SHARE``, by pieces (``plan_pieces``)."""
+    splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
+                         cfg.whole_waves, cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
+    capped, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
+                                 cfg.max_splits)  # fmt: skip
+    fills = wave_share(programs * capped, sms * cfg.programs_per_sm) >= CAPPED_MIN_SHARE
+    if capped == splits or not cuts_in_pieces(cfg) or (capped <= CAPPED_MAX_SPLITS and fills):
+        return capped, 1, 0
+    return splits, *plan_pieces(max_seq_len, splits, cfg.block_n, cfg.max_split_tokens,
+                                cfg.max_splits)  # fmt: skip
 
 
 # how far past a wave the one-wave balanced plan's estimate may go before two waves pay
@@ -1199,16 +1231,11 @@ def paged_decode(
         kv_scale = scales[0] if scales is not None else None
         _stream_decode(q, k_rows, kv_scale, table, sm_scale, rope_dim, out, cfg, tokens, sms)
         return out
-    limits = {"min_tiles": cfg.min_split_tiles, "max_splits": cfg.max_splits}
-    pieces, piece_len = 1, 0
     if total_tokens is None:
         fixed_split_len = 0  # each request's length in ``splits`` equal parts
-        splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
-                             cfg.whole_waves, **limits)  # fmt: skip
-        if cuts_in_pieces(cfg):  # the token cap by pieces of each split, not more programs
-            pieces, piece_len = plan_pieces(max_seq_len, splits, cfg.block_n,
-                                            cfg.max_split_tokens, cfg.max_splits)  # fmt: skip
+        splits, pieces, piece_len = equal_parts_plan(cfg, programs, max_seq_len, sms)
     else:
+        pieces, piece_len = 1, 0
         splits, fixed_split_len = plan_balanced_waves(
             total_tokens * num_kv_heads * head_blocks,
             max_seq_len,
@@ -1216,9 +1243,9 @@ def paged_decode(
             cfg.programs_per_sm * sms,
             programs,
             cfg.balanced_waves,
-            **limits,
+            min_tiles=cfg.min_split_tiles,
+            max_splits=cfg.max_splits,
         )
-    if pieces == 1:
         splits, fixed_split_len = cap_split_tokens(
             splits, fixed_split_len, max_seq_len, cfg.max_split_tokens, cfg.block_n,
             cfg.max_splits,

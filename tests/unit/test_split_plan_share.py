@@ -19,6 +19,7 @@ from tessera.kernels.paged_decode_split import (
     MLA_HEADS_M_STREAM,
     SHARE_STREAM_MIN_BATCH,
     STREAM_MIN_SM_SHARE,
+    equal_parts_plan,
     pick_config,
     plan_pieces,
     split_plan_sm_share,
@@ -114,3 +115,19 @@ def test_pieces_stop_at_the_slots_a_request_may_take() -> None:
     # a bound of rows x context (SGLang's whole graph buffer) asks for thousands of pieces
     assert plan_pieces(256 * 131072, 2, 128, E4M3_MAX_SPLIT_TOKENS, 256)[0] == 128
     assert plan_pieces(4096, 2, 128, 0, 256) == (1, 0)  # no cap: one piece
+
+
+@pytest.mark.parametrize("heads,batch,bound,plan", [
+    # told the real longest length: a few splits that fill their waves keep the cap
+    (16, 128, 16384, (2, 1, 0)), (16, 132, 32768, (4, 1, 0)), (8, 128, 32768, (4, 1, 0)),
+    (16, 37, 32768, (3, 2, E4M3_MAX_SPLIT_TOKENS)),  # 4 splits would fill 56%: pieces
+    # told a 128k context (SGLang's graph buffers): pieces, one wave
+    (16, 64, CONTEXT, (2, 8, E4M3_MAX_SPLIT_TOKENS)),
+    (16, 132, CONTEXT, (1, 16, E4M3_MAX_SPLIT_TOKENS)),
+    (16, 8, CONTEXT, (16, 1, 0)),  # 16 splits are the wave already
+])
+def test_the_token_cap_by_splits_or_pieces_as_measured(heads, batch, bound, plan) -> None:
+    assert equal_parts_plan(MLA_FP8_E4M3_128, batch, bound, SMS) == plan
+    capped = replace(MLA_FP8_E4M3_128, split_tokens_capped=True)
+    splits, pieces, _ = equal_parts_plan(capped, batch, bound, SMS)
+    assert pieces == 1 and splits * E4M3_MAX_SPLIT_TOKENS >= bound  # every split within the cap
