@@ -399,8 +399,8 @@ def plan_pieces(
 #   request that fill 97-100% of their waves (128 x 16k, 132 x 32k, 8 heads 128 x 32k; not
 #   explained yet), and 0.82x of 4 splits that fill 56% (37 x 32k);
 # - told a 128k context, as SGLang's graph buffers give, the cap asks 16 splits a request, most
-#   of them nearly empty: pieces took 0.54-0.94x their time on 10 of 11 shapes (1 x 4k to
-#   132 x 32k), 1.09x at 140 x 8k.
+#   of them nearly empty: pieces took 0.54-0.95x their time on 8 of 11 shapes (32 x 4k to
+#   132 x 32k), a tie at 1 x 4k and 8 x 8k, 1.09x at 140 x 8k.
 CAPPED_MAX_SPLITS = 4
 CAPPED_MIN_SHARE = 0.9
 
