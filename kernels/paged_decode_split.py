@@ -259,12 +259,11 @@ def with_stream(
     )
     if cfg.wgmma or cfg.e4m3:
         stream = MLA_FP8_E4M3_STREAM
-        programs = stream_programs(batch * max_seq_len, batch, stream.block_n,
-                                   stream.max_split_tokens, 1, sms, stream.balanced_waves)
-        waves = programs // sms
         if prefers_stream(total_tokens, batch, max_seq_len) or (
             idle and SHARE_STREAM_MIN_BATCH <= batch <= STREAM_MAX_BATCH
-            and waves <= SHARE_STREAM_MAX_WAVES
+            and stream_programs(batch * max_seq_len, batch, stream.block_n,
+                                stream.max_split_tokens, 1, sms, stream.balanced_waves)
+            <= SHARE_STREAM_MAX_WAVES * sms
         ):
             return stream
     if cfg.heads_m:
@@ -1283,7 +1282,7 @@ def paged_decode(
                 kernel, flags = mla_fp8_e4m3_inplace_kernel, {}
             else:
                 kernel, flags = mla_fp8_e4m3_kernel, {"Q_IN_CONSUMER": cfg.q_in_consumer,
-                                                      "piece_len": piece_len or max_seq_len,
+                                                      "piece_len": piece_len,
                                                       "pieces": pieces}  # fmt: skip
             kernel[(programs, splits)](
                 ONLY=cfg.only, **flags, **mla, **shared_but("FP8", "INTERPRETED", "num_stages")

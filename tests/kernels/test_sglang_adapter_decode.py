@@ -264,4 +264,3 @@ def test_gpu_mla_real_shapes_routed_equals_sglang(kv_dtype):
     ours = call(routed(Fallbacks()), *args, splits=8, has_mla=True)
     theirs = call(sglang_decode.decode_attention_fwd, *args, splits=8, has_mla=True)
     check(kv_dtype, ours, theirs, *args[:-1])
-

@@ -17,11 +17,11 @@ REL_L2 = 5e-3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [66, 70])  # the split plan in pieces; the stream schedule
+@pytest.mark.parametrize("batch", [66, 70])
 def test_fp8_mla_through_sglang_graph_buffers_matches_reference(batch):
     """64k of context, so 66 requests take 2 splits of up to 32k tokens, each in 4 pieces of 8k
-    at most (a 20k request's splits in 2), and 70 requests (one wave would leave 62 SMs idle)
-    the stream schedule."""
+    at most (a 20k request's splits in 2), and 70 requests one split in 8 pieces (one wave
+    leaves 62 SMs idle, but under this bound the stream schedule would plan 5 waves)."""
     torch.manual_seed(batch)
     rows, context, heads, latent, page, scale = 80, 65536, 16, 512, 64, 0.05
     lens = ([20000, 17, 9000, 64, 4096] * 14)[:batch]
