@@ -7,22 +7,25 @@ warms up).
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats -k regex:"mla|flash|merge" --csv \\
-        python bench/mla_profile.py [HEADS BATCH CTX]
+        python bench/mla_profile.py [HEADS BATCH CTX] [--variants NAME,...] [--bound N]
 
 The profile of the second launch of each kernel is the one to read; bench/results holds one.
+``--variants`` launches only those FP8 variants of ``fp8_kv_decode.py`` (say, two plans of one
+kernel), ``--bound`` tells ours a longest length of N tokens, as SGLang's CUDA graphs do.
 (``merge`` in the filter adds our stage 2, the merge of the splits' partial outputs, beside
 FlashMLA's combine kernel.)
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from dataclasses import replace
 
 import torch
 from flashmla_peer import flashmla_decode
-from fp8_kv_decode import PagedCase, fp8_copies
+from fp8_kv_decode import MLA_PEER_VARIANTS, PagedCase, fp8_copies, with_table_bound
 from tessera.kernels.paged_decode_bf16 import paged_decode_mla_bf16
 from tessera.kernels.paged_decode_fp8 import paged_decode_mla_fp8
 from tessera.kernels.paged_decode_split import (
@@ -48,18 +51,31 @@ GLUON_VARIANTS = {
 
 
 def main() -> None:
-    heads, batch, ctx = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (16, 64, 16384)))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shape", nargs="*", type=int, default=[16, 64, 16384],
+                    help="HEADS BATCH CTX")  # fmt: skip
+    ap.add_argument("--variants", default="", help="only these FP8 variants, comma-separated")
+    ap.add_argument("--bound", type=int, default=0, help="the longest length told (0: CTX)")
+    args = ap.parse_args()
+    heads, batch, ctx = args.shape
     case = PagedCase(batch, ctx, 1, 576, 64, 576 * 2)
+    table = case.tables[0]
+    if args.bound:
+        table = with_table_bound(table, batch * args.bound)
     kv = torch.randn(case.num_pages, 64, 1, 576, device="cuda").bfloat16()
     kv8, s8, kv8pt, s8pt = fp8_copies(kv)
     q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
     sm = 192**-0.5
+    fp8_call = functools.partial(paged_decode_mla_fp8, q, kv8, s8, table, sm,
+                                 max_seq_len=args.bound or ctx)  # fmt: skip
+    if args.variants:
+        runs = {name: functools.partial(fp8_call, config=MLA_PEER_VARIANTS[name][1])
+                for name in args.variants.split(",")}  # fmt: skip
+        return launch_twice(runs)
     runs = {
-        "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, case.tables[0], sm, max_seq_len=ctx),
-        "ours_fp8": lambda: paged_decode_mla_fp8(q, kv8, s8, case.tables[0], sm, max_seq_len=ctx),
+        "ours_bf16": lambda: paged_decode_mla_bf16(q, kv, table, sm, max_seq_len=ctx),
+        "ours_fp8": fp8_call,
     }
-    fp8_call = functools.partial(paged_decode_mla_fp8, q, kv8, s8, case.tables[0], sm,
-                                 max_seq_len=ctx)  # fmt: skip
     if heads >= 64:
         runs["ours_bf16_triton"] = lambda: paged_decode_mla_bf16(
             q, kv, case.tables[0], sm, max_seq_len=ctx, config=MLA_HEADS_TRITON
@@ -78,6 +94,10 @@ def main() -> None:
                                                s8pt)  # fmt: skip
     except ImportError:
         print("flash_mla not installed: ours only", file=sys.stderr)
+    launch_twice(runs)
+
+
+def launch_twice(runs) -> None:
     for name, run in runs.items():
         for _ in range(2):
             run()

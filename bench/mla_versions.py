@@ -7,7 +7,7 @@ Gluon kernel and each side of the version alone (producer only, consumer only), 
 error against attention over its own dequantized pages.
 
     python bench/mla_versions.py --version NAME=FILE [--version NAME=FILE ...]
-        [--shapes HEADSxBATCHxCONTEXT,...] [--out DIR] [--tag _x] [--commit SHA]
+        [--shapes HEADSxBATCHxCONTEXT,...] [--bound N] [--out DIR] [--tag _x] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import fp8_kv_decode
 import torch
 from fp8_kv_decode import bench_mla
 from tessera.kernels import paged_decode_split
@@ -62,12 +63,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="append", required=True, help="NAME=FILE")
     ap.add_argument("--shapes", default=SHAPES, help="HEADSxBATCHxCONTEXT, comma-separated")
+    ap.add_argument("--bound", type=int, default=0,
+                    help="the longest length the kernels are told of (0: each shape's context)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a Hopper GPU")
+    fp8_kv_decode.BOUND = args.bound
     versions = {}
     for spec in args.version:
         name, _, path = spec.partition("=")
@@ -91,7 +95,7 @@ def main() -> None:
                           for name in versions)
               + f"  widening {row[f'{name}:ours_fp8_wgmma_us']:7.1f}us", flush=True)  # fmt: skip
     doc = {
-        "device": torch.cuda.get_device_name(), "commit": args.commit,
+        "device": torch.cuda.get_device_name(), "commit": args.commit, "bound": args.bound,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {spec.partition("=")[0]: spec.partition("=")[2] for spec in args.version},
         "how": "bench_mla (bench/fp8_kv_decode.py) once per version and shape in one process, "
