@@ -154,7 +154,9 @@ def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
 def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates) -> list[dict]:
     rows = []
     w_bytes = n * k // 2 + n * (k // group) * 2
-    sets = min(copies_for(w_bytes), 8)
+    # as many weight sets as the bf16 and fp8 weights get (cycled past the L2), however small:
+    # in decode a linear's weights come from HBM (a step reads far more than the L2 holds)
+    sets = copies_for(w_bytes)
     ws = [random_int4((n, k), group) for _ in range(sets)]
     bf16 = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * n * k))
