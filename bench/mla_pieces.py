@@ -1,0 +1,80 @@
+"""Three ways one e4m3 kernel (128-token tiles) takes equal requests whose splits pass the
+8k-token cap, side by side in one process on the same pages: more splits (capped), each split
+cut into pieces (pieces, forced where the default would cap by splits), and no cap at all
+(one long piece a split: the accuracy the cap keeps is lost, so this is for measuring only).
+If the uncapped splits are as slow as the pieces, long programs are; if they are as fast as
+the capped ones, the piece boundary is (docs/kernels-fp8-kv.md, "The token cap in pieces").
+
+    python bench/mla_pieces.py [--shapes HEADSxBATCHxCONTEXT,...] [--out DIR] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from fp8_kv_decode import bench_mla
+from tessera.kernels import paged_decode_split
+from tessera.kernels.paged_decode_split import MLA_FP8_E4M3_128
+from timing import copy_bandwidth
+
+PLANS = {
+    "capped": replace(MLA_FP8_E4M3_128, split_tokens_capped=True),
+    "pieces": MLA_FP8_E4M3_128,  # with CAPPED_MAX_SPLITS at 0: pieces wherever the cap cuts
+    "uncapped": replace(MLA_FP8_E4M3_128, max_split_tokens=0),
+}
+
+
+def time_plans(heads: int, batch: int, ctx: int, copy_bw: float) -> dict:
+    """Each plan's time (us) and error against its own dequantized pages."""
+    row = {"heads": heads, "batch": batch, "ctx": ctx}
+    kept = paged_decode_split.CAPPED_MAX_SPLITS
+    for name, config in PLANS.items():
+        paged_decode_split.CAPPED_MAX_SPLITS = 0 if name == "pieces" else kept
+        try:
+            timed = bench_mla(batch, ctx, heads, 64, None, copy_bw,
+                              variants={name: ("fp8", config)})  # fmt: skip
+        finally:
+            paged_decode_split.CAPPED_MAX_SPLITS = kept
+        failed = timed.get(f"ours_fp8_{name}_error")
+        if failed:
+            raise RuntimeError(f"{name} at {heads}x{batch}x{ctx}: {failed}")
+        row[f"{name}_us"] = timed[f"ours_fp8_{name}_us"]
+        row[f"{name}_err_vs_dequant"] = timed[f"err_ours_fp8_{name}_vs_dequant"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="16x128x16384,16x132x32768,8x128x32768")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a Hopper GPU")
+    copy_bw = copy_bandwidth()
+    rows = []
+    for shape in args.shapes.split(","):
+        row = time_plans(*map(int, shape.split("x")), copy_bw)
+        rows.append(row)
+        print(f"{shape}: " + "  ".join(f"{name} {row[f'{name}_us']:7.1f}us" for name in PLANS),
+              flush=True)  # fmt: skip
+    doc = {
+        "device": torch.cuda.get_device_name(), "commit": args.commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "how": "bench_mla (bench/fp8_kv_decode.py) once per plan and shape in one process, told "
+               "the real longest length; page 64, CUDA-graph replay medians, us",
+        "rows": rows,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "mla_pieces.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
