@@ -414,21 +414,18 @@ def _consumer(
     rest), each with its own accumulator and its own partial output and log-sum-exp, in slot
     ``piece * num_splits + split``: the tensor cores add an e4m3 product into the accumulator
     with fewer bits than fp32, so the error grows with the tiles one accumulator takes, and a
-    piece bounds them without another program (``plan_pieces``). Pieces past the split's tokens
-    (the host sized them from a bound on the longest request) store only a log-sum-exp of -inf."""
+    piece bounds them without another program (``plan_pieces``)."""
     if Q_IN_CONSUMER:
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
                           BLOCK_H, _consumer_warps(BLOCK_N))  # fmt: skip
         fence_async_shared()  # q's stores, before the products read it
     mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
     dims = _row_dims(gl.SliceLayout(1, mma), D, _consumer_warps(BLOCK_N))
-    # the pieces the split's tokens fill (one for an empty split); the rest only say so
-    used = gl.maximum(gl.minimum(gl.cdiv(end - start, piece_len), pieces), 1)
     it = 0
-    for piece in range(used):
-        lo = start + piece * piece_len
+    for piece in range(pieces):
+        lo = gl.minimum(start + piece * piece_len, end)
         hi = gl.minimum(lo + piece_len, end)
-        if piece == used - 1:
+        if piece == pieces - 1:
             hi = end
         acc, acc_unit, m, l = _consume(lo, hi, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
                                        k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
@@ -437,12 +434,6 @@ def _consumer(
         _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, piece * num_splits + split,
                        hb, num_heads, stride_pb, stride_ph, stride_ps, dims, BLOCK_H, mma,
                        mma)  # fmt: skip
-    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma))
-    lse_row = (b * stride_pb + heads * stride_ph) // D + split
-    for piece in range(used, pieces):  # no tokens: a log-sum-exp of -inf, which the merge skips
-        gl.store(part_lse + lse_row + piece * num_splits,
-                 gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma)),
-                 mask=heads < num_heads)  # fmt: skip
 
 
 @gluon.jit

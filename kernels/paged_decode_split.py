@@ -395,9 +395,9 @@ def plan_pieces(
 # while that stays a few splits a request that fill their waves, and by pieces beyond: side by
 # side on an H100 (bench/results/fp8_kv_flashmla_pieces_h100.json, _pieces_bound131072_h100.json)
 # - told the real longest length, pieces (one wave) took 1.09-1.14x the time of 2-4 splits a
-#   request that fill 97-100% of their waves (128 x 16k, 132 x 32k, 8 heads 128 x 32k; under
-#   ncu each SM spends 14% more active cycles on its tokens, cause open: kernels-fp8-kv.md),
-#   and 0.82x of 4 splits that fill 56% (37 x 32k);
+#   request that fill 97-100% of their waves (128 x 16k, 132 x 32k, 8 heads 128 x 32k: the
+#   binary for two or more pieces has its MMAs serialized or spills, kernels-fp8-kv.md), and
+#   0.82x of 4 splits that fill 56% (37 x 32k);
 # - told a 128k context, as SGLang's graph buffers give, the cap asks 16 splits a request, most
 #   of them nearly empty: pieces took 0.54-0.95x their time on 8 of 11 shapes (32 x 4k to
 #   132 x 32k), a tie at 1 x 4k and 8 x 8k, 1.09x at 140 x 8k.
