@@ -2,8 +2,10 @@
 8k-token cap, side by side in one process on the same pages: more splits (capped), each split
 cut into pieces (pieces, forced where the default would cap by splits), and no cap at all
 (one long piece a split: the accuracy the cap keeps is lost, so this is for measuring only).
-If the uncapped splits are as slow as the pieces, long programs are; if they are as fast as
-the capped ones, the piece boundary is (docs/kernels-fp8-kv.md, "The token cap in pieces").
+The capped and uncapped plans run the one-piece binary (Triton compiles ``pieces`` = 1 as a
+constant), the pieces plan the loop binary, whose wgmma ptxas serializes on 128-token tiles:
+uncapped as fast as capped puts the pieces' cost on that binary, uncapped as slow as pieces on
+long programs (docs/kernels-fp8-kv.md, "The token cap in pieces").
 
     python bench/mla_pieces.py [--shapes HEADSxBATCHxCONTEXT,...] [--out DIR] [--commit SHA]
 """
