@@ -40,6 +40,7 @@ from tessera.kernels.paged_decode_split import (
     pick_config,
 )
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from w4a16_sass import CUOBJDUMP, loop_opcodes, register_operand_hazards, resources
@@ -86,7 +87,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
 def gluon_report(
     balanced: bool, page_size: int = 64, entries_per_page: int = 1, heads: int = 16,
     fp8: bool = True, e4m3: bool = False, in_place: bool = False, stream_batch: int = 0,
-    wide_tiles: bool = False, q_in_consumer: bool = False,
+    wide_tiles: bool = False, q_in_consumer: bool = False, one_piece: bool = False,
 ) -> dict:
     """A Gluon MLA kernel built for sm_90: for up to 16 heads the warp-specialized FP8 kernel
     (``mla_decode_wgmma.py``, or with ``e4m3`` ``mla_decode_e4m3.py``, with ``in_place`` too
@@ -95,9 +96,12 @@ def gluon_report(
     kernel (from 64 heads the heads-as-M one) on the stream schedule (``mla_stream.py``) for
     batches of up to that many requests;
     with ``wide_tiles`` the e4m3 kernel on 128-token tiles (two consumer warpgroups); with
-    ``q_in_consumer`` the e4m3 kernel's consumer writes the query (``Q_IN_CONSUMER``).
+    ``q_in_consumer`` the e4m3 kernel's consumer writes the query (``Q_IN_CONSUMER``); with
+    ``one_piece`` the e4m3 kernel built as the JIT builds it for one piece a split (``pieces``
+    the constant 1; without, a runtime integer: two or more).
     Its shared memory in bytes, registers and stack (``resources``), each partition's register
-    limit (``setmaxnreg``), whether its SASS has wgmma, how many spill instructions, and the
+    limit (``setmaxnreg``), whether its SASS has wgmma, whether ptxas serialized the wgmma
+    (``wgmma_serialized``: its advisory C7512), how many spill instructions, and the
     opcodes of its longest loop (``loop``) and of its tile loop (``tile_loop``: the innermost
     one with an MMA: e4m3's ``QGMMA``, else ``HGMMA``).
     ``tests/kernels/test_mla_wgmma_compile.py`` checks these on CPU."""
@@ -118,6 +122,9 @@ def gluon_report(
     pointers, scalars, strides = POINTERS, SCALARS, STRIDES
     if e4m3 and not in_place and not stream_batch:
         scalars = (*SCALARS, "piece_len", "pieces")  # its splits in pieces (plan_pieces)
+        if one_piece:  # Triton specializes an integer argument equal to 1 as a constant
+            scalars = scalars[:-1]
+            constexprs["pieces"] = 1
     if stream_batch:
         fn = mla_heads_stream_kernel if heads >= 64 else mla_fp8_e4m3_stream_kernel
         del constexprs["BALANCED"]
@@ -139,12 +146,22 @@ def gluon_report(
                                  capture_output=True, text=True).stdout  # fmt: skip
         mma = "QGMMA" if e4m3 else "HGMMA"
         return {"shared": kernel.metadata.shared, "resources": resources(path),
+                "wgmma_serialized": "C7512" in ptxas_advisories(kernel.asm["ptx"], tmp),
                 "wgmma": bool(re.search(r"\b[HQ]GMMA\b", listing)),  # fp16/bf16 or e4m3
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),
                 "spills": len(re.findall(r"\b(?:STL|LDL)\b", listing)),
                 "loop": dict(loop_opcodes(path).most_common()),
                 "tile_loop": dict(loop_opcodes(path, mma).most_common()),
                 "a_operand_hazards": register_operand_hazards(path, mma)}  # fmt: skip
+
+
+def ptxas_advisories(ptx: str, tmp: str) -> str:
+    """What Triton's own ptxas says of ``ptx`` with ``-v`` for sm_90a (Triton builds the same
+    PTX without it): its performance advisories, e.g. C7512, wgmma serialized."""
+    src, out = Path(tmp) / "kernel.ptx", Path(tmp) / "again.cubin"
+    src.write_text(ptx)
+    return subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(out)],
+                          check=True, capture_output=True, text=True).stderr  # fmt: skip
 
 
 def main() -> None:
