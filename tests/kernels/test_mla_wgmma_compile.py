@@ -70,19 +70,13 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
     assert loop.get("QGMMA") and not loop.get("LDG"), built
 
 
-@pytest.mark.parametrize(
-    "one_piece",
-    [True, pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="known: the pieces loop's partial store leaves the MMAs too few registers "
-        "(docs/kernels-fp8-kv.md, 'The token cap in pieces')"))],
-    ids=["one_piece", "pieces"],
-)  # fmt: skip
+@pytest.mark.parametrize("one_piece", [True, False], ids=["one_piece", "pieces"])
 def test_gluon_e4m3_kernel_on_128_token_tiles_keeps_its_mmas_in_flight(one_piece):
     """ptxas does not serialize the 128-token kernel's wgmma (its advisory C7512, "insufficient
     register resources": each MMA would wait for the one before). Two binaries: the one the JIT
-    builds for one piece a split (``pieces`` the constant 1), and the one for two or more (the
-    pieces loop), which serializes them today, so that case is expected to fail until fixed."""
+    builds for one piece a split (``pieces`` the constant 1), and the one for two or more, whose
+    MMAs ptxas serialized while the pieces were a loop around the tile loop
+    (docs/kernels-fp8-kv.md, "The token cap in pieces")."""
     built = _report(f"gluon_report(False, 64, 1, 16, True, True, False, 0, True, False, "
                     f"{one_piece})")
     assert not built["wgmma_serialized"], built
