@@ -85,11 +85,13 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_keeps_its_mmas_in_flight(one_piece
 @pytest.mark.parametrize("wide_tiles", [False, True])
 def test_gluon_e4m3_kernel_with_the_query_in_its_consumer_builds(wide_tiles):
     """The consumer writing the query (``Q_IN_CONSUMER``) takes no more shared memory, and its
-    tile loop is the same: an e4m3 MMA and no global load; no spills with Triton 3.6."""
+    tile loop does the same work: the same MMAs, shared-memory and barrier instructions (the
+    integer bookkeeping may schedule one apart), an e4m3 MMA and no global load; no spills with
+    Triton 3.6."""
     built = _report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, True)")
     main = _report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, False)")
     assert built["shared"] == main["shared"] <= SM90_SHARED_PER_BLOCK, built
-    assert built["tile_loop"] == main["tile_loop"], (built, main)
+    assert _work(built["tile_loop"]) == _work(main["tile_loop"]), (built, main)
     assert built["tile_loop"].get("QGMMA") and not built["tile_loop"].get("LDG"), built
     if triton.__version__.startswith("3.6."):
         assert built["spills"] == 0 and "STACK:0" in built["resources"], built
@@ -122,6 +124,12 @@ def test_gluon_heads_stream_kernel_fits_its_largest_batch(fp8):
     built = _report(f"gluon_report(False, 64, 64, 64, {fp8}, False, False, "
                     f"{HEADS_STREAM_MAX_BATCH})")  # fmt: skip
     assert built["tile_loop"].get("HGMMA") == 40, built
+
+
+def _work(loop: dict) -> dict:
+    """A loop's MMA, memory and barrier opcodes with their counts."""
+    kinds = ("QGMMA", "HGMMA", "WARPGROUP", "LD", "ST", "SYNCS", "BAR")
+    return {op: n for op, n in loop.items() if op.startswith(kinds)}
 
 
 def offline_build(script: str, call: str) -> dict:
