@@ -145,7 +145,8 @@ def gluon_report(
         listing = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], check=True,
                                  capture_output=True, text=True).stdout  # fmt: skip
         mma = "QGMMA" if e4m3 else "HGMMA"
-        return {"shared": kernel.metadata.shared, "resources": resources(path),
+        return {"triton": triton.__version__, "shared": kernel.metadata.shared,
+                "resources": resources(path),
                 "wgmma_serialized": "C7512" in ptxas_advisories(kernel.asm["ptx"], tmp),
                 "wgmma": bool(re.search(r"\b[HQ]GMMA\b", listing)),  # fp16/bf16 or e4m3
                 "setmaxnreg": sorted({int(n, 16) for n in re.findall(SETMAXNREG, listing)}),

@@ -35,6 +35,17 @@ if [[ -f scripts/sglang-no-deps.txt ]]; then
   "${PIP[@]}" --no-deps -r scripts/sglang-no-deps.txt
 fi
 
+if [[ $MODE == test ]]; then
+  GPU_TRITON=$(grep -v '^#' scripts/gpu-image-triton.txt)
+  GPU_TRITON_DIR="${TESSERA_CACHE:-$HOME/.cache/tessera}/gpu-image-triton/${GPU_TRITON#triton==}"
+  if [[ ! -f $GPU_TRITON_DIR/triton/__init__.py ]]; then
+    echo "== python packages: $GPU_TRITON beside the installed one, for the compile tests (then cached)"
+    rm -rf "$GPU_TRITON_DIR.tmp"
+    "${PIP[@]}" --no-deps --target "$GPU_TRITON_DIR.tmp" "$GPU_TRITON"
+    mv "$GPU_TRITON_DIR.tmp" "$GPU_TRITON_DIR"
+  fi
+fi
+
 echo "== control-plane binaries (cold build: tens of minutes; then cached)"
 if [[ $MODE == demo ]]; then
   "$PYTHON" -m tessera dev-cluster build --cluster-only
