@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from tessera.kernels.paged_decode_split import HEADS_STREAM_MAX_BATCH, STREAM_MAX_BATCH
 
+from tessera.devcluster.build import cache_root
+
 SM90_SHARED_PER_BLOCK = 232_448  # 227 KB: the most one block may take on sm_90
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -28,8 +30,7 @@ GPU_IMAGE_TRITON = next(line.removeprefix("triton==") for line in
 
 def gpu_image_triton_dir() -> Path:
     """Where ``scripts/setup.sh`` installs the engine image's Triton."""
-    cache = Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
-    return cache / "gpu-image-triton" / GPU_IMAGE_TRITON
+    return cache_root() / "gpu-image-triton" / GPU_IMAGE_TRITON
 
 
 # Known: the e4m3 kernel's binary for two or more pieces a split (a loop of pieces around the
