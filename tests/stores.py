@@ -28,16 +28,14 @@ import time
 from pathlib import Path
 from typing import IO
 
+from tessera.devcluster.build import cache_root
+
 ROOT = Path(__file__).resolve().parents[1]
 S3SERVER_SOURCE = ROOT / "tests" / "s3server"
 OLAH = "olah==0.5.4"
 FAKE_GCS = "github.com/fsouza/fake-gcs-server@v1.56.1"
 ACCESS_KEY = "TESSERATESTKEY"
 SECRET_KEY = "tessera-test-secret-key"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
 
 
 def s3server_binary() -> Path:
