@@ -337,17 +337,59 @@ def _start_scores(
 
 
 @gluon.jit
+def _fresh(D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A piece's starting state: o^T, its unit, the running max and the row sums."""
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)
+    acc = gl.zeros([D, BLOCK_H], gl.float32, _mma_layout(BLOCK_N, BLOCK_H, 32))
+    acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
+    return acc, acc_unit, m, gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+
+
+@gluon.jit
+def _opaque_zero(x):
+    """0, from an instruction the compiler may neither move nor fold (``x`` only places it)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _store_piece(acc, acc_unit, m, l_rows, part, piece, BLOCK_H: gl.constexpr,
+                 BLOCK_N: gl.constexpr):  # fmt: skip
+    """Piece ``piece``'s partial output into slot ``piece x num_splits + split`` of ``part``
+    (``(part_out, part_lse, b, split, num_splits, hb, num_heads, stride_pb, stride_ph,
+    stride_ps, dims)``). Its offsets are computed here from a value the compiler cannot hoist:
+    computed once before the tile loop, they would stay live through it."""
+    (part_out, part_lse, b, split, num_splits, hb, num_heads, stride_pb, stride_ph, stride_ps,
+     dims) = part  # fmt: skip
+    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
+    z = _opaque_zero(piece)
+    _store_partial(gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), part_out,
+                   part_lse, b + z, piece * num_splits + split + z, hb + z, num_heads + z,
+                   stride_pb + z, stride_ph + z, stride_ps + z, dims, BLOCK_H, mma,
+                   mma)  # fmt: skip
+
+
+@gluon.jit
 def _consume(
     start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope, k_lat_all, k_rope_all, scales_all,
-    p_s, loaded, empty, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    ONLY: gl.constexpr,
+    p_s, loaded, empty, pieces, piece_tiles, part, D: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, ONLY: gl.constexpr,
 ):  # fmt: skip
     """Tokens ``[start, end)``, their first tile in the ring's ``it``-th slot: each tile's
     scores, the previous tile's output product (which frees that slot) and this tile's online
     softmax, its KV scales read from the slot (the producer copied them with the tile, so no
     global load waits here). Returns o^T over its per-head unit (in the MMA layout, row r
-    holding dim ``_row_dims(r)``), the unit, the running max and the softmax's sum. A tile of
-    128 tokens takes two warpgroups: each the scores of its 64 tokens and half of o^T's dims."""
+    holding dim ``_row_dims(r)``), the unit, the running max, the softmax's sum and the piece
+    they belong to. A tile of 128 tokens takes two warpgroups: each the scores of its 64
+    tokens and half of o^T's dims.
+
+    With ``part`` (``_store_piece``'s target), the tokens are cut in ``pieces`` pieces of
+    ``piece_tiles`` tiles (the last takes the rest): at each piece's end its partial output is
+    stored and a fresh accumulator starts, in this one tile loop. (A loop of pieces around the
+    tile loop, as before, kept the tile loop's invariants live across the store: on 128-token
+    tiles ptxas serialized the MMAs, on 64-token ones it spilled; docs/kernels-fp8-kv.md.)"""
     NUM_BUF: gl.constexpr = _ring_slots(BLOCK_N)
     W: gl.constexpr = _consumer_warps(BLOCK_N)
     wide: gl.constexpr = _mma_layout(BLOCK_N, 2 * BLOCK_H, 32)
@@ -355,12 +397,12 @@ def _consume(
     acc_l: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 32)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
-    head_l: gl.constexpr = gl.SliceLayout(0, mma)
-    q_unit = gl.convert_layout(q_unit, head_l)
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, head_l)
-    l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    acc = gl.zeros([D, BLOCK_H], gl.float32, acc_l)  # o^T
-    acc_unit = gl.full([BLOCK_H], 1.0, gl.float32, head_l)
+    q_unit = gl.convert_layout(q_unit, gl.SliceLayout(0, mma))
+    acc, acc_unit, m, l_rows = _fresh(D, BLOCK_H, BLOCK_N)
+    piece = 0
+    # (with ``pieces`` the constant 1, Triton 3.6 folded the piece's end away and then failed
+    # to lower the kernel; an opaque zero keeps the comparison)
+    last_piece = pieces - 1 + _opaque_zero(pieces)
     tiles = gl.cdiv(end - start, BLOCK_N)
     if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
         for i in range(tiles):
@@ -379,6 +421,13 @@ def _consume(
                 mbarrier.arrive(empty.index(prev), count=1)
             else:
                 pv = warpgroup_mma_init(acc)
+            if part is not None:
+                if (i == (piece + 1) * piece_tiles) & (piece < last_piece):  # a piece ends
+                    acc = warpgroup_mma_wait(0, deps=(pv,))
+                    _store_piece(acc, acc_unit, m, l_rows, part, piece, BLOCK_H, BLOCK_N)
+                    acc, acc_unit, m, l_rows = _fresh(D, BLOCK_H, BLOCK_N)
+                    pv = warpgroup_mma_init(acc)
+                    piece += 1
             mbarrier.wait(loaded.index(buf), (it + i) // NUM_BUF & 1)
             scores, mask, scale = _start_scores(k_lat_all.index(buf), k_rope_all.index(buf),
                                                 scales_all.index(buf), qq_lat, qq_rope, zeros,
@@ -396,7 +445,7 @@ def _consume(
             pv = _output_product(k_lat_all.index(last), p_s, acc, a_l, D, BLOCK_H, W)
             mbarrier.arrive(empty.index(last), count=1)
             acc = warpgroup_mma_wait(0, deps=(pv,))
-    return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0)
+    return gl.convert_layout(acc, mma), acc_unit, m, gl.sum(l_rows, axis=0), piece
     # (o^T goes out from the MMA's layout, 8 dims a 32-byte sector: a coalescing conversion
     # would need 16 KB of scratch, which shared memory does not have)
 
@@ -414,26 +463,25 @@ def _consumer(
     rest), each with its own accumulator and its own partial output and log-sum-exp, in slot
     ``piece * num_splits + split``: the tensor cores add an e4m3 product into the accumulator
     with fewer bits than fp32, so the error grows with the tiles one accumulator takes, and a
-    piece bounds them without another program (``plan_pieces``)."""
+    piece bounds them without another program (``plan_pieces``). Pieces past the split's end
+    store an empty partial (a log-sum-exp of -inf)."""
     if Q_IN_CONSUMER:
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
                           BLOCK_H, _consumer_warps(BLOCK_N))  # fmt: skip
         fence_async_shared()  # q's stores, before the products read it
     mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_H, 16)
     dims = _row_dims(gl.SliceLayout(1, mma), D, _consumer_warps(BLOCK_N))
-    it = 0
-    for piece in range(pieces):
-        lo = gl.minimum(start + piece * piece_len, end)
-        hi = gl.minimum(lo + piece_len, end)
-        if piece == pieces - 1:
-            hi = end
-        acc, acc_unit, m, l = _consume(lo, hi, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-                                       k_lat_all, k_rope_all, scales_all, p_s, loaded, empty, D,
-                                       BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
-        it += gl.cdiv(hi - lo, BLOCK_N)
-        _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, piece * num_splits + split,
-                       hb, num_heads, stride_pb, stride_ph, stride_ps, dims, BLOCK_H, mma,
+    part = (part_out, part_lse, b, split, num_splits, hb, num_heads, stride_pb, stride_ph,
+            stride_ps, dims)  # fmt: skip
+    acc, acc_unit, m, l, piece = _consume(start, end, 0, sm_scale_log2e, q_unit, qq_lat, qq_rope,
+                                          k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
+                                          pieces, piece_len // BLOCK_N, part, D, BLOCK_H,
+                                          BLOCK_N, ONLY)  # fmt: skip
+    for p in range(piece, pieces):  # the last piece, then those past the split's end
+        _store_partial(acc, acc_unit, m, l, part_out, part_lse, b, p * num_splits + split, hb,
+                       num_heads, stride_pb, stride_ph, stride_ps, dims, BLOCK_H, mma,
                        mma)  # fmt: skip
+        l = gl.zeros_like(l)
 
 
 @gluon.jit
@@ -645,9 +693,10 @@ def _stream_consumer(
         q_unit = _store_q(Q, b, hb, num_heads, stride_qb, stride_qh, qq_lat, qq_rope, D, D_ROPE,
                           BLOCK_H, 4)  # fmt: skip
         fence_async_shared()
-        acc, acc_unit, m, l = _consume(start, end, it, sm_scale_log2e, q_unit, qq_lat, qq_rope,
-                                       k_lat_all, k_rope_all, scales_all, p_s, loaded, empty,
-                                       D, BLOCK_H, BLOCK_N, ONLY)  # fmt: skip
+        acc, acc_unit, m, l, _ = _consume(start, end, it, sm_scale_log2e, q_unit, qq_lat,
+                                          qq_rope, k_lat_all, k_rope_all, scales_all, p_s,
+                                          loaded, empty, 1, 0, None, D, BLOCK_H, BLOCK_N,
+                                          ONLY)  # fmt: skip
         it += gl.cdiv(end - start, BLOCK_N)
         if (first >= lo) & (last <= hi):
             store_output(acc, acc_unit, l, out, b, hb, num_heads, stride_ob, stride_oh, dims,

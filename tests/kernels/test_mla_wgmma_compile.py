@@ -33,20 +33,6 @@ def gpu_image_triton_dir() -> Path:
     return cache_root() / "gpu-image-triton" / GPU_IMAGE_TRITON
 
 
-# Known: the e4m3 kernel's binary for two or more pieces a split (a loop of pieces around the
-# tile loop) serializes its MMAs on 128-token tiles and, with the engine image's Triton, spills
-# on 64-token ones (docs/kernels-fp8-kv.md, "The token cap in pieces"). A fix that builds
-# clean awaits its GPU tests; until it lands these cases are strict expected failures.
-PIECES_LOOP = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="known: the pieces loop's binary (kernels-fp8-kv.md)")
-
-
-def expect_pieces_loop_defect(request, tritons=("installed", "gpu_image")) -> None:
-    """Marks this case a strict expected failure where it builds with one of ``tritons``."""
-    if request.node.callspec.params["report"] in tritons:
-        request.applymarker(PIECES_LOOP)
-
-
 @pytest.fixture(params=["installed", "gpu_image"])
 def report(request):
     """``_report`` with the installed Triton, or with the engine image's."""
@@ -75,16 +61,14 @@ def test_gluon_mla_kernel_builds_for_hopper_without_spills(
                          [(64, 1, False), (64, 64, True), (16, 1, True)])  # fmt: skip
 @pytest.mark.parametrize("in_place", [False, True])
 def test_gluon_e4m3_kernel_builds_for_hopper_without_spills(
-    page_size, entries_per_page, balanced, in_place, report, request
+    page_size, entries_per_page, balanced, in_place, report
 ):
     """The kernel with both products in e4m3: five tile slots, q, p and the scratch within an
     SM's shared memory (its partial output is stored from the MMA's layout for that). It uses
     all 255 registers (V^T is an MMA operand in registers): no spills with the GPU image's
     Triton 3.6; 3.9 allocates them differently (a few spill instructions), so there only the
     build is checked. The in-place version (V^T written over the tile by the producer) has no
-    spills with either. The register kernel's pieces binary spills with 3.6 (``PIECES_LOOP``)."""
-    if not in_place:
-        expect_pieces_loop_defect(request, ("gpu_image",))
+    spills with either."""
     built = report(f"gluon_report({balanced}, {page_size}, {entries_per_page}, 16, True, True, "
                    f"{in_place})")
     if not in_place:  # its producer copies the scales with each tile: no global load waits
@@ -111,27 +95,23 @@ def test_gluon_e4m3_kernel_on_128_token_tiles_builds_without_spills(
 
 
 @pytest.mark.parametrize("one_piece", [True, False], ids=["one_piece", "pieces"])
-def test_gluon_e4m3_kernel_on_128_token_tiles_keeps_its_mmas_in_flight(one_piece, report, request):
+def test_gluon_e4m3_kernel_on_128_token_tiles_keeps_its_mmas_in_flight(one_piece, report):
     """ptxas does not serialize the 128-token kernel's wgmma (its advisory C7512, "insufficient
     register resources": each MMA would wait for the one before). Two binaries: the one the JIT
-    builds for one piece a split (``pieces`` the constant 1), and the one for two or more (the
-    pieces loop), which serializes them today (``PIECES_LOOP``)."""
-    if not one_piece:
-        expect_pieces_loop_defect(request)
+    builds for one piece a split (``pieces`` the constant 1), and the one for two or more, whose
+    MMAs ptxas serialized while the pieces were a loop around the tile loop
+    (docs/kernels-fp8-kv.md, "The token cap in pieces")."""
     built = report(f"gluon_report(False, 64, 1, 16, True, True, False, 0, True, False, "
                    f"{one_piece})")
     assert not built["wgmma_serialized"], built
 
 
 @pytest.mark.parametrize("wide_tiles", [False, True])
-def test_gluon_e4m3_kernel_with_the_query_in_its_consumer_builds(wide_tiles, report, request):
+def test_gluon_e4m3_kernel_with_the_query_in_its_consumer_builds(wide_tiles, report):
     """The consumer writing the query (``Q_IN_CONSUMER``) takes no more shared memory, and its
     tile loop is the same (built with the engine image's Triton, the same MMAs, shared-memory
     and barrier instructions: its integer bookkeeping may schedule one apart), an e4m3 MMA and
-    no global load; no spills with Triton 3.6 (but the 64-token pieces binary's,
-    ``PIECES_LOOP``)."""
-    if not wide_tiles:
-        expect_pieces_loop_defect(request, ("gpu_image",))
+    no global load; no spills with Triton 3.6."""
     built = report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, True)")
     main = report(f"gluon_report(True, 64, 64, 16, True, True, False, 0, {wide_tiles}, False)")
     assert built["shared"] == main["shared"] <= SM90_SHARED_PER_BLOCK, built
