@@ -698,13 +698,16 @@ def _stream_consumer(
                                           loaded, empty, 1, 0, None, D, BLOCK_H, BLOCK_N,
                                           ONLY)  # fmt: skip
         it += gl.cdiv(end - start, BLOCK_N)
+        # the stores' offsets from an opaque zero: computed before the loop, they would be held
+        # through it (``_store_piece``; 136 bytes of stack with Triton 3.6 without, 32 with)
+        z = _opaque_zero(t)
         if (first >= lo) & (last <= hi):
-            store_output(acc, acc_unit, l, out, b, hb, num_heads, stride_ob, stride_oh, dims,
-                         BLOCK_H, mma)  # fmt: skip
+            store_output(acc, acc_unit, l, out, b + z, hb + z, num_heads + z, stride_ob + z,
+                         stride_oh + z, dims, BLOCK_H, mma)  # fmt: skip
         else:
-            _store_partial(acc, acc_unit, m, l, part_out, part_lse, program,
-                           (first >= lo).to(gl.int32), hb, num_heads, stride_pb, stride_ph,
-                           stride_ps, dims, BLOCK_H, mma, mma)  # fmt: skip
+            _store_partial(acc, acc_unit, m, l, part_out, part_lse, program + z,
+                           (first >= lo).to(gl.int32) + z, hb + z, num_heads + z, stride_pb + z,
+                           stride_ph + z, stride_ps + z, dims, BLOCK_H, mma, mma)  # fmt: skip
         t = gl.minimum(last, hi)
 
 
