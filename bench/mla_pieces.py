@@ -1,11 +1,10 @@
 """Three ways one e4m3 kernel (128-token tiles) takes equal requests whose splits pass the
 8k-token cap, side by side in one process on the same pages: more splits (capped), each split
-cut into pieces (pieces, forced where the default would cap by splits), and no cap at all
-(one long piece a split: the accuracy the cap keeps is lost, so this is for measuring only).
-The capped and uncapped plans run the one-piece binary (Triton compiles ``pieces`` = 1 as a
-constant), the pieces plan the loop binary, whose wgmma ptxas serializes on 128-token tiles:
-uncapped as fast as capped puts the pieces' cost on that binary, uncapped as slow as pieces on
-long programs (docs/kernels-fp8-kv.md, "The token cap in pieces").
+cut into pieces (pieces, the default), and no cap at all (one long piece a split: the accuracy
+the cap keeps is lost, so this is for measuring only). The capped and uncapped plans run the
+one-piece binary (Triton compiles ``pieces`` = 1 as a constant), the pieces plan the binary for
+two or more: uncapped as fast as capped and pieces slower puts a cost on that binary
+(docs/kernels-fp8-kv.md, "The token cap in pieces").
 
     python bench/mla_pieces.py [--shapes HEADSxBATCHxCONTEXT,...] [--out DIR] [--commit SHA]
 """
@@ -20,13 +19,12 @@ from pathlib import Path
 
 import torch
 from fp8_kv_decode import bench_mla
-from tessera.kernels import paged_decode_split
 from tessera.kernels.paged_decode_split import MLA_FP8_E4M3_128
 from timing import copy_bandwidth
 
 PLANS = {
     "capped": replace(MLA_FP8_E4M3_128, split_tokens_capped=True),
-    "pieces": MLA_FP8_E4M3_128,  # with CAPPED_MAX_SPLITS at 0: pieces wherever the cap cuts
+    "pieces": MLA_FP8_E4M3_128,
     "uncapped": replace(MLA_FP8_E4M3_128, max_split_tokens=0),
 }
 
@@ -34,14 +32,8 @@ PLANS = {
 def time_plans(heads: int, batch: int, ctx: int, copy_bw: float) -> dict:
     """Each plan's time (us) and error against its own dequantized pages."""
     row = {"heads": heads, "batch": batch, "ctx": ctx}
-    kept = paged_decode_split.CAPPED_MAX_SPLITS
     for name, config in PLANS.items():
-        paged_decode_split.CAPPED_MAX_SPLITS = 0 if name == "pieces" else kept
-        try:
-            timed = bench_mla(batch, ctx, heads, 64, None, copy_bw,
-                              variants={name: ("fp8", config)})  # fmt: skip
-        finally:
-            paged_decode_split.CAPPED_MAX_SPLITS = kept
+        timed = bench_mla(batch, ctx, heads, 64, None, copy_bw, variants={name: ("fp8", config)})
         failed = timed.get(f"ours_fp8_{name}_error")
         if failed:
             raise RuntimeError(f"{name} at {heads}x{batch}x{ctx}: {failed}")

@@ -391,34 +391,24 @@ def plan_pieces(
     return pieces, piece_len
 
 
-# Where the lengths are unknown, the e4m3 register kernel keeps its token cap by more splits
-# while that stays a few splits a request that fill their waves, and by pieces beyond: side by
-# side on an H100 (bench/results/fp8_kv_flashmla_pieces_h100.json, _pieces_bound131072_h100.json)
-# - told the real longest length, pieces (one wave) took 1.09-1.14x the time of 2-4 splits a
-#   request that fill 97-100% of their waves (128 x 16k, 132 x 32k, 8 heads 128 x 32k: the
-#   binary for two or more pieces has its MMAs serialized or spills, kernels-fp8-kv.md), and
-#   0.82x of 4 splits that fill 56% (37 x 32k);
-# - told a 128k context, as SGLang's graph buffers give, the cap asks 16 splits a request, most
-#   of them nearly empty: pieces took 0.54-0.95x their time on 8 of 11 shapes (32 x 4k to
-#   132 x 32k), a tie at 1 x 4k and 8 x 8k, 1.09x at 140 x 8k.
-CAPPED_MAX_SPLITS = 4
-CAPPED_MIN_SHARE = 0.9
-
-
+# Where the lengths are unknown, the e4m3 register kernel keeps its token cap by pieces, one
+# wave at any bound. Side by side on an H100 with the pieces in the one tile loop
+# (bench/results/mla_pieces_in_tile_loop_h100.json, _again_h100.json): 1.00-1.02x the speed of
+# the 2-4 splits a request that capping by splits would run where they fill their waves
+# (128 x 16k, 132 x 32k, 8 heads 128 x 32k), the one case it used to lose
+# (docs/kernels-fp8-kv.md, "The token cap in pieces").
 def equal_parts_plan(
     cfg: DecodeConfig, programs: int, max_seq_len: int, sms: int
 ) -> tuple[int, int, int]:  # fmt: skip
     """(splits a request, pieces a split, tokens a piece) for lengths unknown on the host (each
     request's length in equal parts, ``max_seq_len`` a bound on the longest): the splits that
-    fill a wave (``plan_splits``), the token cap kept by more splits (``cap_split_tokens``) or,
-    for the e4m3 register kernel where that would take more than ``CAPPED_MAX_SPLITS`` a
-    request or fill its waves less than ``CAPPED_MIN_SHARE``, by pieces (``plan_pieces``)."""
+    fill a wave (``plan_splits``), the token cap kept by pieces (``plan_pieces``) in the e4m3
+    register kernel, by more splits (``cap_split_tokens``) in the others."""
     splits = plan_splits(programs, max_seq_len, cfg.block_n, sms, cfg.programs_per_sm,
                          cfg.whole_waves, cfg.min_split_tiles, cfg.max_splits)  # fmt: skip
     capped, _ = cap_split_tokens(splits, 0, max_seq_len, cfg.max_split_tokens, cfg.block_n,
                                  cfg.max_splits)  # fmt: skip
-    fills = wave_share(programs * capped, sms * cfg.programs_per_sm) >= CAPPED_MIN_SHARE
-    if capped == splits or not cuts_in_pieces(cfg) or (capped <= CAPPED_MAX_SPLITS and fills):
+    if capped == splits or not cuts_in_pieces(cfg):
         return capped, 1, 0
     return splits, *plan_pieces(max_seq_len, splits, cfg.block_n, cfg.max_split_tokens,
                                 cfg.max_splits)  # fmt: skip

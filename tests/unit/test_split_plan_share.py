@@ -119,15 +119,17 @@ def test_pieces_stop_at_the_slots_a_request_may_take() -> None:
 
 
 @pytest.mark.parametrize("heads,batch,bound,plan", [
-    # told the real longest length: a few splits that fill their waves keep the cap
-    (16, 128, 16384, (2, 1, 0)), (16, 132, 32768, (4, 1, 0)), (8, 128, 32768, (4, 1, 0)),
-    (16, 37, 32768, (3, 2, E4M3_MAX_SPLIT_TOKENS)),  # 4 splits would fill 56%: pieces
+    # told the real longest length: the splits that fill a wave, the cap kept by pieces
+    (16, 128, 16384, (1, 2, E4M3_MAX_SPLIT_TOKENS)),
+    (16, 132, 32768, (1, 4, E4M3_MAX_SPLIT_TOKENS)),
+    (8, 128, 32768, (1, 4, E4M3_MAX_SPLIT_TOKENS)),
+    (16, 37, 32768, (3, 2, E4M3_MAX_SPLIT_TOKENS)),
     # told a 128k context (SGLang's graph buffers): pieces, one wave
     (16, 64, CONTEXT, (2, 8, E4M3_MAX_SPLIT_TOKENS)),
     (16, 132, CONTEXT, (1, 16, E4M3_MAX_SPLIT_TOKENS)),
     (16, 8, CONTEXT, (16, 1, 0)),  # 16 splits are the wave already
 ])
-def test_the_token_cap_by_splits_or_pieces_as_measured(heads, batch, bound, plan) -> None:
+def test_the_token_cap_by_pieces_one_wave_at_any_bound(heads, batch, bound, plan) -> None:
     assert equal_parts_plan(MLA_FP8_E4M3_128, batch, bound, SMS) == plan
     capped = replace(MLA_FP8_E4M3_128, split_tokens_capped=True)
     splits, pieces, _ = equal_parts_plan(capped, batch, bound, SMS)
