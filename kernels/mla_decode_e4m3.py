@@ -400,9 +400,10 @@ def _consume(
     q_unit = gl.convert_layout(q_unit, gl.SliceLayout(0, mma))
     acc, acc_unit, m, l_rows = _fresh(D, BLOCK_H, BLOCK_N)
     piece = 0
-    # (with ``pieces`` the constant 1, Triton 3.6 folded the piece's end away and then failed
-    # to lower the kernel; an opaque zero keeps the comparison)
-    last_piece = pieces - 1 + _opaque_zero(pieces)
+    if part is not None:
+        # (with ``pieces`` the constant 1, Triton 3.6 folded the piece's end away and then
+        # failed to lower the kernel; an opaque zero keeps the comparison)
+        last_piece = pieces - 1 + _opaque_zero(pieces)
     tiles = gl.cdiv(end - start, BLOCK_N)
     if ONLY == PRODUCER_ONLY:  # hands the slots back untouched
         for i in range(tiles):
