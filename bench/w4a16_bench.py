@@ -392,7 +392,8 @@ def bench_moe(token_values, shapes, sglang_kernel, candidates: bool,
 
 def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     """Time each launch of the fused MoE forward (tuned tiles ``cfgs``) and the torch ops it
-    replaced: the alignment (one Triton program vs about twenty torch ops), the up GEMM with
+    replaced: the alignment (one Triton launch, two beyond a chunk of pairs, vs about twenty torch
+    ops), the up GEMM with
     SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the down GEMM
     with the top-k sum (each counted GEMM with the zeroing of its workspace). Where both GEMMs
     take blocks of one row (the gemv path), also the whole forward with its blocks made by the
@@ -406,14 +407,6 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     act = moe_gemm(x, w13, *aligned[0], pairs, top_k, up, silu_mul=True)
     routing = [r[0].reshape(-1) for r in rs]
 
-    def torch_align(i):
-        saved = w4a16_moe.ALIGN_KERNEL_MAX_PAIRS
-        w4a16_moe.ALIGN_KERNEL_MAX_PAIRS = 0
-        try:
-            return align_to_experts(rs[i][1], experts, up.block_m)
-        finally:
-            w4a16_moe.ALIGN_KERNEL_MAX_PAIRS = saved
-
     def up_then_silu(i):
         h = moe_gemm(x, w13, *aligned[i], pairs, top_k, up)
         gate, upper = h.chunk(2, dim=-1)
@@ -421,7 +414,8 @@ def moe_parts(x, w, rs, top_k, cfgs) -> dict:
 
     times = {
         "align_kernel": lambda i: align_to_experts(rs[i][1], experts, up.block_m),
-        "align_torch_ops": torch_align,
+        "align_torch_ops": lambda i: w4a16_moe.align_to_experts_reference(rs[i][1], experts,
+                                                                             up.block_m),
         "up_gemm_silu_fused": lambda i: moe_gemm(x, w13, *aligned[i], pairs, top_k, up,
                                                  silu_mul=True),
         "up_gemm_then_torch_silu": up_then_silu,

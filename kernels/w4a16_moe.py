@@ -37,7 +37,14 @@ from .w4a16_gemm import (
     tune_cached,
 )
 
-__all__ = ["MoeConfig", "align_to_experts", "fused_moe", "fused_moe_reference", "moe_gemm"]
+__all__ = [
+    "MoeConfig",
+    "align_to_experts",
+    "align_to_experts_reference",
+    "fused_moe",
+    "fused_moe_reference",
+    "moe_gemm",
+]
 
 
 @triton.jit
@@ -252,34 +259,77 @@ def _moe_gemv_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _fill_share(ptr, n, value, FILL: tl.constexpr):
+    """This program's share of ``ptr[:n] = value`` (int32)."""
+    share = tl.cdiv(n, tl.num_programs(0))
+    lo = tl.program_id(0) * share
+    hi = tl.minimum(lo + share, n)
+    for start in range(lo, hi, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(ptr + offs, tl.full((FILL,), value, tl.int32), mask=offs < hi)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "slots", "num_blocks"])
 def _align_kernel(
-    ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, slots, num_blocks,
+    ids_ptr, pair_ids_ptr, block_expert_ptr, counts_ptr, ranks_ptr, num_pairs, slots, num_blocks,
     BLOCK_M: tl.constexpr, P: tl.constexpr, E: tl.constexpr, FILL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """:func:`align_to_experts` in one program: a histogram of the experts, block counts and
-    their prefix sums, a sort of (expert, pair) keys, and one scatter (``P >= num_pairs`` and
-    ``E >= experts`` are powers of two)."""
-    for start in range(0, slots, FILL):
-        offs = start + tl.arange(0, FILL)
-        tl.store(pair_ids_ptr + offs, tl.full((FILL,), num_pairs, tl.int32), mask=offs < slots)
-    for start in range(0, num_blocks, FILL):
-        offs = start + tl.arange(0, FILL)
-        tl.store(block_expert_ptr + offs, tl.full((FILL,), -1, tl.int32), mask=offs < num_blocks)
-    p = tl.arange(0, P)
+    """:func:`align_to_experts`, one chunk of ``P`` pairs a program: a histogram of the chunk's
+    experts and a sort of its (expert, pair) keys give each pair its rank among its expert's
+    pairs in the chunk. With ``ONE_CHUNK`` (every pair in this program) it places them too:
+    block counts, their prefix sums and one scatter. Otherwise it writes the chunk's histogram
+    (``counts [chunks, E]``) and the ranks (``ranks [pairs]``) for :func:`_align_scatter_kernel`.
+    Each program also fills its share of the padding (``P`` and ``E >= experts`` are powers of
+    two)."""
+    chunk = tl.program_id(0)
+    _fill_share(pair_ids_ptr, slots, num_pairs, FILL)
+    _fill_share(block_expert_ptr, num_blocks, -1, FILL)
+    local = tl.arange(0, P)
+    p = chunk * P + local
     valid = p < num_pairs
     ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
     counts = tl.histogram(ids, E, mask=valid)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    # rows of padding before each expert's first row: its first padded row minus its first pair
-    pad = (tl.cumsum(blocks, 0) - blocks) * BLOCK_M - (tl.cumsum(counts, 0) - counts)
-    keys = tl.sort(tl.where(valid, ids * P + p, E * P + p))  # by expert, then pair (stable)
-    expert = keys // P
-    real = p < num_pairs  # sorted: the real pairs come first
-    dest = p + tl.gather(pad, tl.minimum(expert, E - 1), 0)
-    tl.debug_barrier()  # the fills above land before the scatter below
-    tl.store(pair_ids_ptr + dest, keys % P, mask=real)
-    tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=real & (dest % BLOCK_M == 0))
+    keys = tl.sort(tl.where(valid, ids * P + local, E * P + local))  # by expert, then pair
+    expert = tl.minimum(keys // P, E - 1)
+    real = keys < E * P  # sorted: the chunk's real pairs come first
+    rank = local - tl.gather(tl.cumsum(counts, 0) - counts, expert, 0)
+    if ONE_CHUNK:
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        dest = tl.gather((tl.cumsum(blocks, 0) - blocks) * BLOCK_M, expert, 0) + rank
+        tl.debug_barrier()  # the fills above land before the scatter below
+        tl.store(pair_ids_ptr + dest, keys % P, mask=real)
+        tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=real & (dest % BLOCK_M == 0))
+    else:
+        tl.store(counts_ptr + chunk * E + tl.arange(0, E), counts)
+        tl.store(ranks_ptr + chunk * P + keys % P, rank, mask=real)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunks"])
+def _align_scatter_kernel(
+    ids_ptr, counts_ptr, ranks_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, chunks,
+    BLOCK_M: tl.constexpr, P: tl.constexpr, E: tl.constexpr,
+):  # fmt: skip
+    """The chunks' pairs into their expert blocks (after :func:`_align_kernel`): each expert's
+    first padded row from the histograms' totals, plus its pairs in the chunks before this one,
+    plus the pair's rank in its chunk."""
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E)
+    total = tl.zeros((E,), tl.int32)
+    before = tl.zeros((E,), tl.int32)
+    for c in range(chunks):
+        n = tl.load(counts_ptr + c * E + e)
+        total += n
+        before += tl.where(c < chunk, n, 0)
+    blocks = (total + BLOCK_M - 1) // BLOCK_M
+    first = (tl.cumsum(blocks, 0) - blocks) * BLOCK_M + before
+    p = chunk * P + tl.arange(0, P)
+    valid = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    dest = tl.gather(first, ids, 0) + tl.load(ranks_ptr + p, mask=valid, other=0)
+    tl.store(pair_ids_ptr + dest, p, mask=valid)
+    tl.store(block_expert_ptr + dest // BLOCK_M, ids, mask=valid & (dest % BLOCK_M == 0))
 
 
 @triton.jit
@@ -322,7 +372,7 @@ class MoeConfig:
         return 1 if self.path == "gemv" or self.pair_blocks else self.block_m
 
 
-ALIGN_KERNEL_MAX_PAIRS = 1024  # one program sorts this many (token, slot) pairs in registers
+ALIGN_CHUNK = 1024  # pairs one alignment program sorts in registers
 
 
 def _triton_runs(t: torch.Tensor) -> bool:
@@ -336,24 +386,44 @@ def align_to_experts(
     """Sort the (token, slot) pairs by expert into blocks of ``block_m`` rows.
 
     Returns ``pair_ids`` (``[blocks * block_m]``; pair ``p = token * top_k + slot``, padding rows
-    hold ``num_pairs``) and ``block_expert`` (``[blocks]``; ``-1`` past the last used block).
-    Sizes depend only on the shapes, never on the routing, so no host sync is needed and the call
-    can be captured in a CUDA graph. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs this is one Triton
-    launch (decode: the torch version is about twenty small launches), beyond it torch ops.
+    hold ``num_pairs``; each expert's pairs in pair order) and ``block_expert`` (``[blocks]``;
+    ``-1`` past the last used block). Sizes depend only on the shapes, never on the routing, so
+    no host sync is needed and the call can be captured in a CUDA graph. One Triton launch up to
+    ``ALIGN_CHUNK`` pairs (decode), two beyond: chunks sorted in parallel, then placed.
     """
     flat = topk_ids.reshape(-1)
+    if not _triton_runs(flat):
+        return align_to_experts_reference(topk_ids, num_experts, block_m)
     num_pairs = flat.numel()
     blocks = num_pairs // block_m + min(num_experts, num_pairs)  # bound on used blocks
-    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS and _triton_runs(flat):
-        pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-        _align_kernel[(1,)](
-            flat, pair_ids, block_expert, num_pairs, blocks * block_m, blocks,
-            BLOCK_M=block_m, P=triton.next_power_of_2(max(num_pairs, 16)),
-            E=triton.next_power_of_2(max(num_experts, 16)), FILL=1024, num_warps=4,
+    pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    one_chunk = num_pairs <= ALIGN_CHUNK
+    chunk = triton.next_power_of_2(max(num_pairs, 16)) if one_chunk else ALIGN_CHUNK
+    chunks = triton.cdiv(num_pairs, chunk)
+    experts_p2 = triton.next_power_of_2(max(num_experts, 16))
+    counts = torch.empty(0 if one_chunk else chunks * experts_p2, dtype=torch.int32,
+                         device=flat.device)  # fmt: skip
+    ranks = torch.empty(0 if one_chunk else num_pairs, dtype=torch.int32, device=flat.device)
+    _align_kernel[(chunks,)](
+        flat, pair_ids, block_expert, counts, ranks, num_pairs, blocks * block_m, blocks,
+        BLOCK_M=block_m, P=chunk, E=experts_p2, FILL=1024, ONE_CHUNK=one_chunk, num_warps=4,
+    )  # fmt: skip
+    if not one_chunk:
+        _align_scatter_kernel[(chunks,)](
+            flat, counts, ranks, pair_ids, block_expert, num_pairs, chunks,
+            BLOCK_M=block_m, P=chunk, E=experts_p2, num_warps=4,
         )  # fmt: skip
-        return pair_ids, block_expert
-    flat = flat.long()
+    return pair_ids, block_expert
+
+
+def align_to_experts_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_to_experts` in torch ops (about twenty launches): the tests' reference."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    blocks = num_pairs // block_m + min(num_experts, num_pairs)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     expert_blocks = (counts + block_m - 1) // block_m
