@@ -12,15 +12,13 @@ two or more: uncapped as fast as capped and pieces slower puts a cost on that bi
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from fp8_kv_decode import bench_mla
 from tessera.kernels.paged_decode_split import MLA_FP8_E4M3_128
-from timing import copy_bandwidth
+from timing import copy_bandwidth, write_results
 
 PLANS = {
     "capped": replace(MLA_FP8_E4M3_128, split_tokens_capped=True),
@@ -57,17 +55,10 @@ def main() -> None:
         rows.append(row)
         print(f"{shape}: " + "  ".join(f"{name} {row[f'{name}_us']:7.1f}us" for name in PLANS),
               flush=True)  # fmt: skip
-    doc = {
-        "device": torch.cuda.get_device_name(), "commit": args.commit,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "how": "bench_mla (bench/fp8_kv_decode.py) once per plan and shape in one process, told "
-               "the real longest length; page 64, CUDA-graph replay medians, us",
-        "rows": rows,
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "mla_pieces.json"
-    path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "mla_pieces.json", args.commit,
+                  "bench_mla (bench/fp8_kv_decode.py) once per plan and shape in one process, "
+                  "told the real longest length; page 64, CUDA-graph replay medians, us",
+                  rows)  # fmt: skip
 
 
 if __name__ == "__main__":

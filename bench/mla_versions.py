@@ -13,9 +13,7 @@ error against attention over its own dequantized pages.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +22,7 @@ import fp8_kv_decode
 import torch
 from fp8_kv_decode import bench_mla
 from tessera.kernels import paged_decode_split
-from timing import copy_bandwidth
+from timing import copy_bandwidth, write_results
 
 SHAPES = "16x64x4096,16x32x8192,16x64x16384,16x128x8192,8x256x2048,16x32x4096"
 KEPT = ("ours_bf16_us", "ours_fp8_e4m3_us", "err_ours_fp8_e4m3_vs_dequant", "ours_fp8_po_us",
@@ -94,19 +92,14 @@ def main() -> None:
               + "  ".join(f"{name} {row[f'{name}:ours_fp8_e4m3_us']:7.1f}us"
                           for name in versions)
               + f"  widening {row[f'{name}:ours_fp8_wgmma_us']:7.1f}us", flush=True)  # fmt: skip
-    doc = {
-        "device": torch.cuda.get_device_name(), "commit": args.commit, "bound": args.bound,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {spec.partition("=")[0]: spec.partition("=")[2] for spec in args.version},
-        "how": "bench_mla (bench/fp8_kv_decode.py) once per version and shape in one process, "
-               "each version's mla_fp8_e4m3_kernel in place of the default's; 'po' / 'co': the "
-               "version's producer / consumer alone; page 64, CUDA-graph replay medians, us",
-        "rows": rows,
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mla_versions{args.tag}.json"
-    path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}")
+    write_results(
+        args.out, f"mla_versions{args.tag}.json", args.commit,
+        "bench_mla (bench/fp8_kv_decode.py) once per version and shape in one process, each "
+        "version's mla_fp8_e4m3_kernel in place of the default's; 'po' / 'co': the version's "
+        "producer / consumer alone; page 64, CUDA-graph replay medians, us",
+        rows, bound=args.bound,
+        versions={spec.partition("=")[0]: spec.partition("=")[2] for spec in args.version},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ against the torch version's first.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_moe import align_to_experts, align_to_experts_reference
-from timing import graph_time_us
+from timing import graph_time_us, write_results
 
 ROUTERS = {"kimi-k2": (384, 8, 16), "glm-5": (256, 8, 8), "kimi-k2-ep8": (48, 1, 16)}
 SETS = 4  # routings cycled through, so no call reads the one before's results
@@ -56,17 +54,10 @@ def main() -> None:
             print(f"{name:12s} {tokens:5d} tokens ({row['pairs']:5d} pairs): kernel "
                   f"{row['kernel_us']:6.1f} us, torch {row['torch_us']:6.1f} us "
                   f"({row['torch_over_kernel']:.1f}x)", flush=True)  # fmt: skip
-    doc = {
-        "device": torch.cuda.get_device_name(), "commit": args.commit,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "how": "align_to_experts and align_to_experts_reference on the same routings in one "
-               "process, CUDA-graph replay medians over 4 routings, us",
-        "rows": rows,
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "moe_align.json"
-    path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "moe_align.json", args.commit,
+                  "align_to_experts and align_to_experts_reference on the same routings in "
+                  "one process, CUDA-graph replay medians over 4 routings, us",
+                  rows)  # fmt: skip
 
 
 if __name__ == "__main__":

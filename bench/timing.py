@@ -1,10 +1,14 @@
 """GPU timing shared by the benchmarks: CUDA-graph replays (launch gaps out of the numbers,
-inputs cycled so the working set outruns the L2) and the device's copy bandwidth."""
+inputs cycled so the working set outruns the L2), the device's copy bandwidth, and the
+results file."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_gemm import capture_graph
@@ -51,3 +55,18 @@ def copy_bandwidth() -> float:
     torch.cuda.synchronize()
     t_copy = start.elapsed_time(end) * 1e3 / 10
     return 2 * src.numel() * 4 / (min(t_kernel, t_copy) * 1e-6)
+
+
+def write_results(out: Path, name: str, commit: str, how: str, rows: list, **extra) -> Path:
+    """``out/name`` as JSON: the device, commit and date, ``extra``, how the rows were timed,
+    and the rows."""
+    doc = {
+        "device": torch.cuda.get_device_name(), "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **extra, "how": how, "rows": rows,
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return path
