@@ -1,6 +1,6 @@
 """The MoE's expert alignment (``align_to_experts``: one Triton launch up to a chunk of 1,024
 (token, slot) pairs, two beyond) beside its torch version (``align_to_experts_reference``,
-about twenty launches with a radix sort), side by side in one process at the routers' sizes:
+twenty to thirty launches with a radix sort), side by side in one process at the routers' sizes:
 Kimi K2 (384 experts, top 8, 16-row blocks), GLM 5 (256, top 8, 8-row blocks) and one EP-8
 GPU's Kimi K2 experts (48, top 1). CUDA-graph replay medians, us; each result is checked
 against the torch version's first.

@@ -392,12 +392,12 @@ def bench_moe(token_values, shapes, sglang_kernel, candidates: bool,
 
 def moe_parts(x, w, rs, top_k, cfgs) -> dict:
     """Time each launch of the fused MoE forward (tuned tiles ``cfgs``) and the torch ops it
-    replaced: the alignment (one Triton launch, two beyond a chunk of pairs, vs about twenty torch
-    ops), the up GEMM with
-    SiLU-and-mul in its epilogue vs the up GEMM then torch's SiLU-and-mul, and the down GEMM
-    with the top-k sum (each counted GEMM with the zeroing of its workspace). Where both GEMMs
-    take blocks of one row (the gemv path), also the whole forward with its blocks made by the
-    alignment kernel, as before ``expert_blocks`` skipped it, beside the forward as it is."""
+    replaced: the alignment (one Triton launch, two beyond a chunk of pairs, vs twenty to
+    thirty torch ops), the up GEMM with SiLU-and-mul in its epilogue vs the up GEMM then
+    torch's SiLU-and-mul, and the down GEMM with the top-k sum (each counted GEMM with the
+    zeroing of its workspace). Where both GEMMs take blocks of one row (the gemv path), also
+    the whole forward with its blocks made by the alignment kernel, as before ``expert_blocks``
+    skipped it, beside the forward as it is."""
     (w13, w2), (up, down) = w, cfgs
     experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
     tokens = x.shape[0]

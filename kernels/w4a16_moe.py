@@ -420,7 +420,7 @@ def align_to_experts(
 def align_to_experts_reference(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`align_to_experts` in torch ops (about twenty launches): the tests' reference."""
+    """:func:`align_to_experts` in torch ops (twenty to thirty launches): the tests' reference."""
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     blocks = num_pairs // block_m + min(num_experts, num_pairs)
