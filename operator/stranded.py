@@ -46,11 +46,16 @@ class StrandedGroup:
     phase: str
     group: str  # LWS group index
     leader: Mapping[str, Any]  # the pod whose deletion restarts the group
-    node: str  # where the leader runs
+    node: str  # where the leader runs ("": it waits for room beside its workers)
     waited_s: float  # the longest a worker of the group has waited
     said: str  # the scheduler's last words on that worker
 
     def message(self, topology_key: str) -> str:
+        if not self.node:  # the workers came first and took a block without room for the leader
+            return (f"{self.phase} group {self.group}: its workers' block ({topology_key}) has no "
+                    f"room for its leader, which waited {self.waited_s:.0f} s while nodes outside "
+                    f"it had room ({self.said}); restarted the group so that it can start where "
+                    "the whole group fits")
         return (f"{self.phase} group {self.group}: its leader's block ({topology_key} of node "
                 f"{self.node}) has no room for its workers, which waited {self.waited_s:.0f} s "
                 f"while nodes outside it had room ({self.said}); restarted the group so that "
@@ -86,7 +91,8 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
                     settling: Collection[str] = ()) -> list[StrandedGroup]:
     """Per phase, the stranded group to restart now: a group whose leader runs on a node and
     one of whose workers has been refused for pod affinity for `after_s` or longer (since
-    `refused_since[uid]`, from `affinity_refusals`). One a phase at a time (the highest group
+    `refused_since[uid]`, from `affinity_refusals`), or whose leader has been so refused while a
+    worker of its group runs (the workers came first). One a phase at a time (the highest group
     index), and none in a phase that is `settling` (it restarted a group within its restart
     window: the caller remembers) or whose leaders include one younger than `after_s` (a group
     rolled out moments ago), so that two groups stranded in one block do not both leave it:
@@ -97,6 +103,7 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
         return (now_t - _time(stamp)).total_seconds()
 
     leaders: dict[tuple[str, str], Mapping[str, Any]] = {}
+    unplaced_leaders: dict[tuple[str, str], Mapping[str, Any]] = {}
     workers: list[tuple[tuple[str, str], Mapping[str, Any]]] = []
     for pod in pods:
         meta = pod["metadata"]
@@ -109,6 +116,8 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
             workers.append((key, pod))
         elif pod.get("spec", {}).get("nodeName"):
             leaders[key] = pod
+        else:
+            unplaced_leaders[key] = pod
     waiting: dict[tuple[str, str], tuple[float, str]] = {}
     for key, pod in workers:
         said = _refused_for_affinity(pod)
@@ -122,6 +131,15 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
         waited = age(since)
         if waited > waiting.get(key, (-1.0, ""))[0]:
             waiting[key] = (waited, said)
+    # A leader refused for affinity while a worker of its group runs: the worker came first and
+    # took a block with no room left for the leader (the scheduler places pods in any order).
+    placed_workers = {key for key, pod in workers if pod.get("spec", {}).get("nodeName")}
+    for key, leader in unplaced_leaders.items():
+        said = _refused_for_affinity(leader)
+        since = refused_since.get(leader["metadata"]["uid"])
+        if said is not None and since is not None and key in placed_workers:
+            leaders[key] = leader
+            waiting[key] = (age(since), said)
     settling = {*settling, *(phase for (phase, _), leader in leaders.items()
                              if age(leader["metadata"]["creationTimestamp"]) < after_s)}
     due = sorted((key for key, (waited, _) in waiting.items()
@@ -132,6 +150,6 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
         if phase not in picked:
             leader = leaders[(phase, group)]
             waited, said = waiting[(phase, group)]
-            picked[phase] = StrandedGroup(phase, group, leader, leader["spec"]["nodeName"],
-                                          waited, said)
+            picked[phase] = StrandedGroup(phase, group, leader,
+                                          leader.get("spec", {}).get("nodeName", ""), waited, said)
     return [picked[phase] for phase in sorted(picked)]

@@ -170,3 +170,20 @@ def test_a_reconciler_restarts_a_stranded_group_and_backs_off_while_it_stays_str
     assert restarts() == 5
     now[0] += 121
     assert restarts() == 6
+
+
+def test_a_leader_refused_beside_its_placed_workers_restarts_its_group() -> None:
+    """The workers came first: both groups' workers took one block, and each leader (whose
+    group must share a block) is refused there while the other block has room."""
+    pods = [pod("prefill", 0, 0, refused=STRANDED), pod("prefill", 0, 1, "wide-2"),
+            pod("prefill", 1, 0, refused=STRANDED, since="2026-12-05T09:58:00Z"),
+            pod("prefill", 1, 1, "wide-3")]
+    [group] = stranded(pods, after_s=60)
+    assert (group.phase, group.group, group.node) == ("prefill", "1", "")
+    assert group.leader["metadata"]["name"] == "md-prefill-1"
+    assert group.waited_s == 120 and group.said == STRANDED
+    message = group.message("tessera.dev/block")
+    assert "prefill group 1: its workers' block (tessera.dev/block)" in message
+    assert "120 s" in message
+    assert stranded(pods, after_s=200) == []  # not before its time
+    assert stranded(pods[:1] + [pod("prefill", 0, 1, refused=STRANDED)], after_s=60) == []
