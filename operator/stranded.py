@@ -5,9 +5,10 @@ With `nodePool.replicaTopologyKey` every pod of a group must share one block (ch
 leader can land in a block with no room left for its workers: two groups' leaders in a block
 that holds one group, or a block whose other nodes were still taken when the leader came
 (seen in the e2e when the previous test's pods were leaving). The workers then wait for good
-while nodes elsewhere stand free. Restarting the group (deleting its leader: LWS recreates the
-whole group) lets the new leader go where the group fits, and frees its node for the group
-that was there first.
+while nodes elsewhere stand free. Workers placed before their leader can do the same to it:
+they fill a block that then has no room for the leader. Restarting the group (deleting its
+leader: LWS recreates the whole group) lets the new leader go where the group fits, and frees
+its node for the group that was there first.
 
 A worker counts as stranded only when the scheduler refused some nodes for pod affinity alone
 (they had the room): a pool that is simply full restarts nothing. Its wait counts from when the
@@ -47,8 +48,8 @@ class StrandedGroup:
     group: str  # LWS group index
     leader: Mapping[str, Any]  # the pod whose deletion restarts the group
     node: str  # where the leader runs ("": it waits for room beside its workers)
-    waited_s: float  # the longest a worker of the group has waited
-    said: str  # the scheduler's last words on that worker
+    waited_s: float  # the longest a worker (or the unplaced leader) of the group has waited
+    said: str  # the scheduler's last words on that pod
 
     def message(self, topology_key: str) -> str:
         if not self.node:  # the workers came first and took a block without room for the leader
@@ -136,8 +137,9 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
     placed_workers = {key for key, pod in workers if pod.get("spec", {}).get("nodeName")}
     for key, leader in unplaced_leaders.items():
         said = _refused_for_affinity(leader)
-        since = refused_since.get(leader["metadata"]["uid"])
-        if said is not None and since is not None and key in placed_workers:
+        if said is None or (since := refused_since.get(leader["metadata"]["uid"])) is None:
+            continue
+        if key in placed_workers:
             leaders[key] = leader
             waiting[key] = (age(since), said)
     settling = {*settling, *(phase for (phase, _), leader in leaders.items()
