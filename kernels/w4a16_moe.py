@@ -402,9 +402,10 @@ def align_to_experts(
     chunk = triton.next_power_of_2(max(num_pairs, 16)) if one_chunk else ALIGN_CHUNK
     chunks = triton.cdiv(num_pairs, chunk)
     experts_p2 = triton.next_power_of_2(max(num_experts, 16))
-    counts = torch.empty(0 if one_chunk else chunks * experts_p2, dtype=torch.int32,
-                         device=flat.device)  # fmt: skip
-    ranks = torch.empty(0 if one_chunk else num_pairs, dtype=torch.int32, device=flat.device)
+    counts = ranks = pair_ids  # unused pointers in one chunk: no allocation on the decode path
+    if not one_chunk:
+        counts = torch.empty(chunks * experts_p2, dtype=torch.int32, device=flat.device)
+        ranks = torch.empty(num_pairs, dtype=torch.int32, device=flat.device)
     _align_kernel[(chunks,)](
         flat, pair_ids, block_expert, counts, ranks, num_pairs, blocks * block_m, blocks,
         BLOCK_M=block_m, P=chunk, E=experts_p2, FILL=1024, ONE_CHUNK=one_chunk, num_warps=4,
