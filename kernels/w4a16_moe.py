@@ -372,7 +372,11 @@ class MoeConfig:
         return 1 if self.path == "gemv" or self.pair_blocks else self.block_m
 
 
-ALIGN_CHUNK = 1024  # pairs one alignment program sorts in registers
+# The alignment sorts in one program up to ALIGN_ONE_PROGRAM pairs, beyond in chunks of
+# ALIGN_CHUNK (H100, bench/results/moe_align_h100.json: one program sorting 1,024 pairs
+# took 11.5 us, chunks of 256 and the scatter 6.7)
+ALIGN_ONE_PROGRAM = 512
+ALIGN_CHUNK = 256
 
 
 def _triton_runs(t: torch.Tensor) -> bool:
@@ -381,7 +385,11 @@ def _triton_runs(t: torch.Tensor) -> bool:
 
 
 def align_to_experts(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    one_program: int = ALIGN_ONE_PROGRAM,
+    chunk: int = ALIGN_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert into blocks of ``block_m`` rows.
 
@@ -389,7 +397,8 @@ def align_to_experts(
     hold ``num_pairs``; each expert's pairs in pair order) and ``block_expert`` (``[blocks]``;
     ``-1`` past the last used block). Sizes depend only on the shapes, never on the routing, so
     no host sync is needed and the call can be captured in a CUDA graph. One Triton launch up to
-    ``ALIGN_CHUNK`` pairs (decode), two beyond: chunks sorted in parallel, then placed.
+    ``one_program`` pairs (decode), two beyond: chunks of ``chunk`` pairs (powers of two) sorted
+    in parallel, then placed.
     """
     flat = topk_ids.reshape(-1)
     if not _triton_runs(flat):
@@ -398,8 +407,9 @@ def align_to_experts(
     blocks = num_pairs // block_m + min(num_experts, num_pairs)  # bound on used blocks
     pair_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    one_chunk = num_pairs <= ALIGN_CHUNK
-    chunk = triton.next_power_of_2(max(num_pairs, 16)) if one_chunk else ALIGN_CHUNK
+    one_chunk = num_pairs <= one_program
+    if one_chunk:
+        chunk = triton.next_power_of_2(max(num_pairs, 16))
     chunks = triton.cdiv(num_pairs, chunk)
     experts_p2 = triton.next_power_of_2(max(num_experts, 16))
     counts = ranks = pair_ids  # unused pointers in one chunk: no allocation on the decode path
@@ -578,7 +588,9 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
     half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
     expert (GLM 5's slice at 128 requests) 64-row blocks alone ran the experts 10.8x slower than
-    at 64 requests.
+    at 64 requests. The 128- and 256-column tiles also come with three pipeline stages: four
+    programs (16 warps) an SM where four stages' shared memory fits two, 1-8% faster at 2-8
+    rows an expert (H100, bench/results/w4a16_moe_stages_h100.json).
 
     At decode sizes the 8-row blocks also come with K split in 2 to 8: a few pairs give a few
     blocks, and an expert-parallel GPU at one request touches 2-3 experts, so without the split
@@ -593,10 +605,11 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
     if num_pairs > 16 * num_experts:
         return large
-    small = [MoeConfig(16, bn, 128, 4, 4) for bn in (128, 256)]
+    small = [MoeConfig(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 3)]
     if num_pairs > 4 * num_experts:
         return small + large
     swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
+    fewer_stages = [replace(c, num_stages=3) for c in swapped[1:]]
     split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in
              ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4))]  # fmt: skip
     one_pair, gemv = [], []
@@ -606,7 +619,7 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
         for bn, bk in ((128, 128), (256, 64)):
             gemv += [MoeConfig(1, bn, bk, 4, 1, split_k=s, path="gemv")
                      for s in _split_counts(num_pairs * triton.cdiv(n, bn))]  # fmt: skip
-    return small + swapped + split + one_pair + gemv
+    return small + swapped + fewer_stages + split + one_pair + gemv
 
 
 def _counted(config: MoeConfig) -> bool:

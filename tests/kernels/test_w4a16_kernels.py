@@ -233,18 +233,17 @@ def test_blocks_of_one_row_are_the_pairs_in_order_with_their_routed_experts():
         (5, 1, 2, 8, None),
         (40, 33, 8, 16, 64),  # 5 chunks, the last one partial
         (300, 50, 8, 8, 128),  # more experts than a chunk has pairs
-        (384, 192, 8, 16, None),  # 1,536 pairs: two chunks of the real size
+        (384, 192, 8, 16, None),  # 1,536 pairs: six chunks of the real size
     ],
 )
-def test_align_kernel_matches_torch_ops(monkeypatch, experts, tokens, top_k, block_m, chunk):
+def test_align_kernel_matches_torch_ops(experts, tokens, top_k, block_m, chunk):
     """The Triton alignment (one launch, or per chunk then a scatter) gives exactly the blocks
     of the torch version."""
-    if chunk is not None:
-        monkeypatch.setattr(moe_module, "ALIGN_CHUNK", chunk)
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids = ids.to(DEVICE)
-    pair_ids, block_expert = align_to_experts(ids, experts, block_m)
+    sizes = {} if chunk is None else {"one_program": chunk, "chunk": chunk}
+    pair_ids, block_expert = align_to_experts(ids, experts, block_m, **sizes)
     ref_pairs, ref_blocks = moe_module.align_to_experts_reference(ids, experts, block_m)
     assert torch.equal(pair_ids.cpu(), ref_pairs.cpu())
     assert torch.equal(block_expert.cpu(), ref_blocks.cpu())
@@ -252,7 +251,7 @@ def test_align_kernel_matches_torch_ops(monkeypatch, experts, tokens, top_k, blo
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("tokens", [1, 64, 128, 129, 192, 1024])
+@pytest.mark.parametrize("tokens", [1, 64, 65, 128, 129, 192, 1024])
 @pytest.mark.parametrize("experts,top_k,block_m", [(384, 8, 16), (256, 8, 8), (48, 1, 16)])
 def test_align_kernel_matches_torch_ops_at_model_sizes(experts, top_k, block_m, tokens):
     """Kimi K2's and GLM 5's routers and one EP-8 GPU's experts, on both sides of one chunk."""
