@@ -9,7 +9,7 @@ and input sets (working set above the 60 MB L2), median of replays, all in this 
 
     python bench/w4a16_bench.py [--quick] [--m 1,16,512] [--candidates] [--sglang-kernels PATH]
                                 [--marlin DIR] [--rows-per-expert 1,2,4,8,16] [--slice-linears]
-                                [--deepgemm] [--out DIR] [--tag _v3]
+                                [--moe-shape 'top8 g32'] [--deepgemm] [--out DIR] [--tag _v3]
 
 ``--deepgemm`` also times SGLang's block-FP8 linear as it runs on Hopper (bench/deepgemm.py:
 its group-128 quantizer, then DeepGEMM), whole and GEMM alone, on the fp8 weights.
@@ -636,6 +636,7 @@ def main() -> None:
                     help="MoE sizes as average rows per expert, comma-separated (1,2,4,8,16): "
                          "token counts per shape, on the releases' shapes")  # fmt: skip
     ap.add_argument("--only", choices=["gemm", "moe"], help="run one half")
+    ap.add_argument("--moe-shape", default="", help="only the MoE shapes named with this text")
     ap.add_argument("--slice-linears", action="store_true",
                     help="GEMM on the decode slice's INT4 linears (Kimi K2, group 32) and the "
                          "two target shapes")  # fmt: skip
@@ -676,6 +677,9 @@ def main() -> None:
     if args.rows_per_expert:
         rows_per_expert = [int(v) for v in args.rows_per_expert.split(",")]
         moe_shapes = {k: MOE_SHAPES[k] for k in ROWS_MOE_SHAPES}
+    moe_shapes = {k: v for k, v in moe_shapes.items() if args.moe_shape in k}
+    if not moe_shapes:
+        raise SystemExit(f"no MoE shape's name contains {args.moe_shape!r}: {list(MOE_SHAPES)}")
     t0 = time.time()
     results = {}
     runs = {
