@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 
-import torch
 from fp8_kv_decode import bench_mla
 from tessera.kernels.paged_decode_split import MLA_FP8_E4M3_128
-from timing import copy_bandwidth, write_results
+from timing import copy_bandwidth, parse_results_args, write_results
 
 PLANS = {
     "capped": replace(MLA_FP8_E4M3_128, split_tokens_capped=True),
@@ -43,11 +41,7 @@ def time_plans(heads: int, batch: int, ctx: int, copy_bw: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="16x128x16384,16x132x32768,8x128x32768")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a Hopper GPU")
+    args = parse_results_args(ap, "a Hopper GPU")
     copy_bw = copy_bandwidth()
     rows = []
     for shape in args.shapes.split(","):

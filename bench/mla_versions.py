@@ -19,10 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import fp8_kv_decode
-import torch
 from fp8_kv_decode import bench_mla
 from tessera.kernels import paged_decode_split
-from timing import copy_bandwidth, write_results
+from timing import copy_bandwidth, parse_results_args, write_results
 
 SHAPES = "16x64x4096,16x32x8192,16x64x16384,16x128x8192,8x256x2048,16x32x4096"
 KEPT = ("ours_bf16_us", "ours_fp8_e4m3_us", "err_ours_fp8_e4m3_vs_dequant", "ours_fp8_po_us",
@@ -63,12 +62,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="HEADSxBATCHxCONTEXT, comma-separated")
     ap.add_argument("--bound", type=int, default=0,
                     help="the longest length the kernels are told of (0: each shape's context)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a Hopper GPU")
+    args = parse_results_args(ap, "a Hopper GPU")
     fp8_kv_decode.BOUND = args.bound
     versions = {}
     for spec in args.version:

@@ -13,11 +13,10 @@ program up to ``c`` pairs, chunks of ``c`` beyond), which is how the defaults we
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_moe import align_to_experts, align_to_experts_reference
-from timing import graph_time_us, write_results
+from timing import graph_time_us, parse_results_args, write_results
 
 ROUTERS = {"kimi-k2": (384, 8, 16), "glm-5": (256, 8, 8), "kimi-k2-ep8": (48, 1, 16)}
 SETS = 4  # routings cycled through, so no call reads the one before's results
@@ -46,11 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,64,128,129,256,512,1024")
     ap.add_argument("--chunks", default="", help="chunk sizes to time beside the defaults")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a GPU")
+    args = parse_results_args(ap)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     rows = []
     for name, (experts, top_k, block_m) in ROUTERS.items():

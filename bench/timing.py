@@ -4,6 +4,7 @@ results file."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
@@ -55,6 +56,17 @@ def copy_bandwidth() -> float:
     torch.cuda.synchronize()
     t_copy = start.elapsed_time(end) * 1e3 / 10
     return 2 * src.numel() * 4 / (min(t_kernel, t_copy) * 1e-6)
+
+
+def parse_results_args(ap: argparse.ArgumentParser, needs: str = "a GPU") -> argparse.Namespace:
+    """``ap``'s arguments plus the ones every :func:`write_results` script takes (``--out``,
+    ``--commit``), after checking there is a GPU to time on."""
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"this benchmark needs {needs}")
+    return args
 
 
 def write_results(out: Path, name: str, commit: str, how: str, rows: list, **extra) -> Path:

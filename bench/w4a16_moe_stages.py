@@ -1,8 +1,9 @@
 """The MoE up GEMM's tensor-core tiles by pipeline stages and warps, side by side in one process:
 Kimi K2's routed experts (384, top 8, group 32) at 2, 4 and 8 rows an expert, each tile with
-its SiLU-and-mul on the same weights and routings. Four stages keep two programs (8 warps) on an
-SM, three stages four (16 warps): the measurement behind the three-stage tuner candidates.
-CUDA-graph replay medians, us, and the expert bytes touched over that time.
+its SiLU-and-mul on the same weights and routings. The 8 x 256 tile keeps two programs (8
+warps) on an SM with four stages, four (16 warps) with three: the measurement behind the
+three-stage tuner candidates. CUDA-graph replay medians, us, and the bytes of the experts the
+first routing touches over that time.
 
     python bench/w4a16_moe_stages.py [--rows 2,4,8] [--out DIR] [--commit SHA]
 """
@@ -10,11 +11,10 @@ CUDA-graph replay medians, us, and the expert bytes touched over that time.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, moe_gemm
-from timing import graph_time_us, write_results
+from timing import graph_time_us, parse_results_args, write_results
 from w4a16_bench import random_int4, routings, tokens_for_rows
 
 EXPERTS, HIDDEN, INTER, TOP_K, GROUP = 384, 7168, 2048, 8, 32
@@ -35,11 +35,7 @@ def time_up_gemm(x, weights, aligned, cfg: MoeConfig) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="2,4,8", help="average rows an expert")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    ap.add_argument("--commit", default="", help="the tree's commit, recorded in the results")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a GPU")
+    args = parse_results_args(ap)
     weights = [random_int4((EXPERTS, 2 * INTER, HIDDEN), GROUP) for _ in range(2)]
     expert_bytes = weights[0].qweight[0].numel() * 4 + weights[0].scales[0].numel() * 2
     rows = []
@@ -47,7 +43,7 @@ def main() -> None:
         tokens = tokens_for_rows(per_expert, EXPERTS, TOP_K)
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         rs = routings(tokens, EXPERTS, TOP_K, len(weights))
-        touched = len(torch.unique(rs[0][1]))
+        touched = len(torch.unique(rs[0][1]))  # the routings' experts alike: the first's count
         for bm, bn, warps, stages, swap in TILES:
             cfg = MoeConfig(bm, bn, 128, warps, stages, swap=swap)
             us = time_up_gemm(x, weights, [align_to_experts(ids, EXPERTS, bm) for _, ids in rs],

@@ -588,10 +588,10 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
     half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
     expert (GLM 5's slice at 128 requests) 64-row blocks alone ran the experts 10.8x slower than
-    at 64 requests. The 128- and 256-column tiles also come with three pipeline stages: four
-    programs (16 warps) an SM where four stages' shared memory fits two; at 2, 4 and 8 rows an
-    expert the fastest tile had three stages in two runs (H100,
-    bench/results/w4a16_moe_stages_h100.json).
+    at 64 requests. The 128- and 256-column tiles also come with three pipeline stages, which
+    fit more programs an SM (the 8 x 256 tile: four, 16 warps, where four stages' shared memory
+    fits two); at 2, 4 and 8 rows an expert the fastest tile had three stages in two runs
+    (H100, bench/results/w4a16_moe_stages_h100.json).
 
     At decode sizes the 8-row blocks also come with K split in 2 to 8: a few pairs give a few
     blocks, and an expert-parallel GPU at one request touches 2-3 experts, so without the split

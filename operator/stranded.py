@@ -136,12 +136,13 @@ def stranded_groups(pods: Iterable[Mapping[str, Any]], now: str,
     # took a block with no room left for the leader (the scheduler places pods in any order).
     placed_workers = {key for key, pod in workers if pod.get("spec", {}).get("nodeName")}
     for key, leader in unplaced_leaders.items():
+        if key not in placed_workers:
+            continue
         said = _refused_for_affinity(leader)
         if said is None or (since := refused_since.get(leader["metadata"]["uid"])) is None:
             continue
-        if key in placed_workers:
-            leaders[key] = leader
-            waiting[key] = (age(since), said)
+        leaders[key] = leader
+        waiting[key] = (age(since), said)
     settling = {*settling, *(phase for (phase, _), leader in leaders.items()
                              if age(leader["metadata"]["creationTimestamp"]) < after_s)}
     due = sorted((key for key, (waited, _) in waiting.items()
