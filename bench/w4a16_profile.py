@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tessera.kernels.w4a16_format import PACK, W4A16Weight
 from tessera.kernels.w4a16_gemm import (
     _TUNED,
     GemmConfig,
@@ -36,14 +35,7 @@ from tessera.kernels.w4a16_gemm import (
 )
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, fused_moe, moe_gemm
 from timing import graph_time_us
-from w4a16_bench import SLICE_LINEARS, routings, tokens_for_rows
-
-
-def random_int4(lead: tuple, n: int, k: int, group: int) -> W4A16Weight:
-    qweight = torch.randint(-(2**31), 2**31 - 1, (*lead, k // PACK, n), dtype=torch.int32,
-                            device="cuda")  # fmt: skip
-    scales = ((torch.rand(*lead, k // group, n, device="cuda") + 0.5) / 64).to(torch.bfloat16)
-    return W4A16Weight(qweight, scales, None, group)
+from w4a16_bench import SLICE_LINEARS, random_int4, routings, tokens_for_rows
 
 
 def profile_once(calls) -> None:
@@ -59,7 +51,7 @@ def profile_once(calls) -> None:
 def profile_slice_linears() -> None:
     calls = []
     for n, k in SLICE_LINEARS:
-        ws = [random_int4((), n, k, 32) for _ in range(8)]  # 8 copies: past the L2 together
+        ws = [random_int4((n, k), 32) for _ in range(8)]  # 8 copies: past the L2 together
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         t = graph_time_us(lambda i, x=x, ws=ws: w4a16_matmul(x, ws[i]), len(ws))
         cfg = next(v for key, v in _TUNED.items() if key[:4] == ("gemm", _m_bucket(1), n, k))
@@ -78,7 +70,7 @@ def profile_group_sizes() -> None:
     pair_ids, block_expert = align_to_experts(ids, experts, cfg.block_m)
     calls = []
     for group in (32, 128):
-        ws = [random_int4((experts,), 2 * inter, hidden, group) for _ in range(2)]
+        ws = [random_int4((experts, 2 * inter, hidden), group) for _ in range(2)]
         t = graph_time_us(lambda i, ws=ws: moe_gemm(x, ws[i], pair_ids, block_expert,
                                                     tokens * top_k, top_k, cfg, silu_mul=True),
                           len(ws))  # fmt: skip
@@ -93,8 +85,8 @@ def profile_moe_against_marlin(folder: Path) -> None:
 
     marlin = Marlin(folder)
     experts, hidden, inter, top_k, group = 384, 7168, 2048, 8, 32
-    sets = [(random_int4((experts,), 2 * inter, hidden, group),
-             random_int4((experts,), hidden, inter, group)) for _ in range(2)]  # fmt: skip
+    sets = [(random_int4((experts, 2 * inter, hidden), group),
+             random_int4((experts, hidden, inter), group)) for _ in range(2)]  # fmt: skip
     repacked = [(marlin.from_ours(w13), marlin.from_ours(w2)) for w13, w2 in sets]
     calls = []
     for rows in (1, 2, 4):
@@ -128,7 +120,7 @@ WGMMA_AT_64 = {
 
 def wgmma_and_marlin_calls(marlin, n: int, k: int, group: int) -> list:
     """The Gluon kernel's fastest tile and Marlin at 64 tokens on one shape, timed."""
-    ws = [random_int4((), n, k, group) for _ in range(2)]
+    ws = [random_int4((n, k), group) for _ in range(2)]
     repacked = [marlin.from_ours(w) for w in ws]
     x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
@@ -163,12 +155,12 @@ def main() -> None:
     if "--groups" in sys.argv:
         profile_group_sizes()
         return
-    w = random_int4((), 16384, 7168, 128)
+    w = random_int4((16384, 7168), 128)
     x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
     gemm_cfg = GemmConfig("triton", 8, 256, 128, 4, 4, 4, swap=True)
     gemv_cfg = GemmConfig("gemv", 1, 128, 128, 8, 4, 1)
     experts, hidden, inter = 384, 7168, 2048
-    w13 = random_int4((experts,), 2 * inter, hidden, 32)
+    w13 = random_int4((experts, 2 * inter, hidden), 32)
     ids = torch.randperm(experts, device="cuda")[:8].view(1, 8)
     xm = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     moe_cfg = MoeConfig(8, 128, 128, 4, 4, swap=True)

@@ -184,8 +184,29 @@ def pod_uids(kubectl: Callable[..., Any], namespace: str, phase: str) -> set[str
 
 def wait_ready(kubectl: Callable[..., Any], namespace: str, name: str,
                timeout: int = 90) -> None:
-    kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
-            f"--timeout={timeout}s", timeout=timeout + 10)
+    """Fails, on timeout, with what held Ready back: the deployment's conditions, and the
+    namespace's Jobs and pods that are not done, with the scheduler's word on each pod."""
+    waited = kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n",
+                     namespace, f"--timeout={timeout}s", check=False, timeout=timeout + 10)
+    if waited.returncode != 0:
+        pytest.fail(f"{name} not Ready after {timeout} s: {waited.stderr.strip()}\n"
+                    + "\n".join(not_ready(kubectl, namespace, name)))
+
+
+def not_ready(kubectl: Callable[..., Any], namespace: str, name: str) -> list[str]:
+    """One line per condition of `name` and per Job or pod of `namespace` not done."""
+    lines = [f"{t}={x['status']} {x.get('reason', '')}: {x.get('message', '')}"
+             for t, x in conditions(get_md(kubectl, namespace, name)).items()]
+    items = json.loads(kubectl("get", "jobs,pods", "-n", namespace, "-o", "json").stdout)["items"]
+    for o in items:
+        st = o.get("status", {})
+        done = {x["type"] for x in st.get("conditions", []) if x.get("status") == "True"}
+        if done & {"Complete", "Ready"} or st.get("phase") == "Succeeded":
+            continue
+        said = "; ".join(f"{x['type']}={x['status']} {x.get('reason', '')} {x.get('message', '')}"
+                         for x in st.get("conditions", []))
+        lines.append(f"{o['kind']} {o['metadata']['name']} {st.get('phase', '')}: {said}")
+    return lines
 
 
 def apply(kubectl: Callable[..., Any], namespace: str, manifest: dict[str, Any]) -> None:
