@@ -34,6 +34,7 @@ from tessera.operator.children import (
     stable_hash,
 )
 from tessera.operator.conditions import FALSE, TRUE, Condition, make_condition
+from tessera.operator.refusals import UNSCHEDULABLE, pod_refusals
 from tessera.runtime.fetch.source import PERMANENT_FAILURES, FetchFailure, cache_dir, is_remote
 from tessera.runtime.planner import Architecture, DeploymentPlan, checkpoint_bytes
 from tessera.runtime.quantize.job import converter_job
@@ -227,13 +228,15 @@ def _failure_words(message: str) -> str:
     return f"{why}; " if why else ""
 
 
+def _pods_of(job_name: str, pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [p for p in pods if p["metadata"].get("labels", {}).get("job-name") == job_name]
+
+
 def _fetch_outcome(job_name: str, pods: Sequence[Mapping[str, Any]]) -> str:
     """The one line the last failed fetch container of `job_name`'s pods left as its
     termination message (it names the source and the cause), or ""."""
     outcomes = []
-    for pod in pods:
-        if pod["metadata"].get("labels", {}).get("job-name") != job_name:
-            continue
+    for pod in _pods_of(job_name, pods):
         st = pod.get("status", {})
         for cs in [*st.get("initContainerStatuses", []), *st.get("containerStatuses", [])]:
             done = cs.get("state", {}).get("terminated") or {}
@@ -267,10 +270,14 @@ def observe_job(ref: WeightsJobRef, job: Mapping[str, Any] | None,
                           f" (logs: kubectl logs job/{name}; fix the cause, then change the "
                           "spec or delete the Job to run it again)")
     size = f" (about {checkpoint_bytes / GiB:.0f} GiB)" if checkpoint_bytes else ""
+    # A pod the scheduler cannot place (its claim missing, no node fits) makes no progress:
+    # say why, in the scheduler's words.
+    unplaced = "".join(f"; {r.message}" for r in pod_refusals(ref.action, _pods_of(name, pods))
+                       if r.reason == UNSCHEDULABLE)
     return WeightsJob(ref, RUNNING,
                       f"Job {name} {doing} {ref.source}{size}: {int(st.get('active', 0))} "
-                      f"pod(s) running, {int(st.get('failed', 0))} failed attempt(s) of "
-                      f"{BACKOFF_LIMIT + 1}; progress: kubectl logs job/{name}")
+                      f"pod(s) active, {int(st.get('failed', 0))} failed attempt(s) of "
+                      f"{BACKOFF_LIMIT + 1}{unplaced}; progress: kubectl logs job/{name}")
 
 
 _REASONS = {c.FETCHER: ("Fetched", "Fetching", "FetchFailed"),

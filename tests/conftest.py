@@ -52,6 +52,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+OPERATOR_LOG_LINES = 80
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """A failed test that ran an operator shows the end of the operator's log beside the
+    failure (CI keeps nothing else of the run)."""
+    report: pytest.TestReport = yield
+    operator = getattr(item, "funcargs", {}).get("operator")
+    if report.failed and call.when == "call" and hasattr(operator, "text"):
+        tail = operator.text().splitlines()[-OPERATOR_LOG_LINES:]
+        report.sections.append((f"operator log, last {len(tail)} lines", "\n".join(tail)))
+    return report
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[DevCluster]:
     from tessera.devcluster import DevCluster, ensure_binaries

@@ -92,6 +92,9 @@ def test_s3_weights_fetched_once_into_the_cache_claim_then_mounted_read_only(
         weights = conditions(get_md(kubectl, namespace, "fetch"))[c.WEIGHTS_READY]
         assert (weights["status"], weights["reason"]) == ("False", "Fetching")
         assert "fetching s3://weights/tiny" in weights["message"]
+        poll("the scheduler's word on the fetch pod, on the deployment", lambda: (
+            'persistentvolumeclaim "model-cache" not found' in conditions(get_md(
+                kubectl, namespace, "fetch"))[c.WEIGHTS_READY]["message"]))
         pod_spec = job["spec"]["template"]["spec"]
         assert pod_spec["containers"][0]["envFrom"] == [{"secretRef": {"name": SECRET}}]
         assert server.env()["AWS_SECRET_ACCESS_KEY"] not in json.dumps(

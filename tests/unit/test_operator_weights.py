@@ -150,7 +150,7 @@ def test_a_spec_without_conversion_has_no_job_and_no_weights_condition() -> None
 
 @pytest.mark.parametrize("job_status, reason, message", [
     (None, "Converting", "is not created yet"),
-    ({"active": 1, "failed": 1}, "Converting", "1 pod(s) running, 1 failed attempt(s) of 4"),
+    ({"active": 1, "failed": 1}, "Converting", "1 pod(s) active, 1 failed attempt(s) of 4"),
 ])
 def test_decode_waits_while_the_job_is_pending_or_running(
         job_status: dict[str, Any] | None, reason: str, message: str) -> None:
@@ -262,7 +262,7 @@ def test_phase_waits_for_its_fetch_then_mounts_the_cache_read_only() -> None:
     assert ("Deployment", "kimi-k2-prefill") in applied(waiting)
     weights = conds(waiting)[c.WEIGHTS_READY]
     assert (weights["status"], weights["reason"]) == ("False", "Fetching")
-    assert "fetching s3://weights/kimi-int4 (about 553 GiB): 1 pod(s) running" in \
+    assert "fetching s3://weights/kimi-int4 (about 553 GiB): 1 pod(s) active" in \
         weights["message"]
     assert "decode waits for its weights" in conds(waiting)[c.READY]["message"]
     done = run(md, {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
@@ -312,6 +312,30 @@ def test_fetch_failed_quotes_the_line_the_fetch_pod_left() -> None:
     decision = decide(md, owned, intend(md, render_configs), NOW)
     message = conds(decision)[c.WEIGHTS_READY]["message"]
     assert f"the fetch said: {said} (logs: kubectl logs job/{name}" in message
+
+
+def test_a_fetch_pod_the_scheduler_cannot_place_is_named_with_its_words() -> None:
+    """The claim not created yet: the Job is active but its pod waits, and the condition says
+    why in the scheduler's words, so an admin knows what to create."""
+    md = fetching()
+    (job,) = jobs_of(md)
+    name = job["metadata"]["name"]
+    said = '0/4 nodes are available: persistentvolumeclaim "model-cache" not found.'
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{name}-x1", "namespace": "llm", "resourceVersion": "9",
+                        "labels": {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: c.FETCHER,
+                                   "job-name": name}},
+           "status": {"phase": "Pending", "conditions": [
+               {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": said}]}}
+    active = with_status(job, {"active": 1})
+    decision = decide(md, {key_of(active): active, key_of(pod): pod},
+                      intend(md, render_configs), NOW)
+    weights = conds(decision)[c.WEIGHTS_READY]
+    assert (weights["status"], weights["reason"]) == ("False", "Fetching")
+    assert f"1 pod(s) active, 0 failed attempt(s) of 4; pod {name}-x1 unschedulable: {said}; " \
+        f"progress: kubectl logs job/{name}" in weights["message"]
+    assert said in conds(decision)[c.READY]["message"]
 
 
 def test_a_new_revision_makes_a_new_job_and_the_phase_rolls_only_after_it() -> None:
