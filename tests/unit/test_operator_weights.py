@@ -279,6 +279,15 @@ def test_phase_waits_for_its_fetch_then_mounts_the_cache_read_only() -> None:
     assert "ephemeral-storage" not in engine["resources"]["requests"]  # nothing on local disk
 
 
+def job_pod(job: str, status: dict[str, Any]) -> dict[str, Any]:
+    """A pod of fetch Job `job`, as the Job controller labels it, in `status`."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{job}-x1", "namespace": "llm", "resourceVersion": "9",
+                         "labels": {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: c.FETCHER,
+                                    "job-name": job}},
+            "status": status}
+
+
 def test_a_refused_credential_is_a_fetch_failure_that_says_so() -> None:
     decision = run(fetching(), {"failed": 1, "conditions": [
         {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
@@ -297,13 +306,9 @@ def test_fetch_failed_quotes_the_line_the_fetch_pod_left() -> None:
     name = job["metadata"]["name"]
     said = ("s3://weights: the store refused the credentials (HTTP 403 SignatureDoesNotMatch); "
             "check the Secret named in weights.credentialsSecret")
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": f"{name}-x1", "namespace": "llm", "resourceVersion": "9",
-                        "labels": {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: c.FETCHER,
-                                   "job-name": name}},
-           "status": {"phase": "Failed", "containerStatuses": [{"name": "fetch", "state": {
-               "terminated": {"exitCode": 20, "message": said + "\n",
-                              "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
+    pod = job_pod(name, {"phase": "Failed", "containerStatuses": [{"name": "fetch", "state": {
+        "terminated": {"exitCode": 20, "message": said + "\n",
+                       "finishedAt": "2026-01-01T00:00:00Z"}}}]})
     failed = with_status(job, {"failed": 1, "conditions": [
         {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
          "message": "Container fetch for pod llm/x failed with exit code 20 matching FailJob "
@@ -321,13 +326,8 @@ def test_a_fetch_pod_the_scheduler_cannot_place_is_named_with_its_words() -> Non
     (job,) = jobs_of(md)
     name = job["metadata"]["name"]
     said = '0/4 nodes are available: persistentvolumeclaim "model-cache" not found.'
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": f"{name}-x1", "namespace": "llm", "resourceVersion": "9",
-                        "labels": {c.LABEL_DEPLOYMENT: "kimi-k2", c.LABEL_PHASE: c.FETCHER,
-                                   "job-name": name}},
-           "status": {"phase": "Pending", "conditions": [
-               {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                "message": said}]}}
+    pod = job_pod(name, {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": said}]})
     active = with_status(job, {"active": 1})
     decision = decide(md, {key_of(active): active, key_of(pod): pod},
                       intend(md, render_configs), NOW)
