@@ -584,11 +584,14 @@ def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
 
 def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
                 int4: bool = True) -> list[MoeConfig]:
-    """Blocks of 64 rows beyond decode sizes; at decode sizes (about one pair per expert block)
-    16-row blocks, and 8-row blocks with the weights as the dot's first operand (``m16n8k16``:
-    half the tensor-core work of a 16-row block). In between both are timed: with 4-5 pairs per
-    expert (GLM 5's slice at 128 requests) 64-row blocks alone ran the experts 10.8x slower than
-    at 64 requests. The 128- and 256-column tiles also come with three pipeline stages, which
+    """Blocks of 64 rows beyond 48 pairs an expert; at decode sizes (about one pair per expert
+    block) 16-row blocks, and 8-row blocks with the weights as the dot's first operand
+    (``m16n8k16``: half the tensor-core work of a 16-row block). In between all are timed, with
+    32-row blocks too: with 4-5 pairs per expert (GLM 5's slice at 128 requests) 64-row blocks
+    alone ran the experts 10.8x slower than at 64 requests, and at 16 an expert many experts
+    hold more than 16 pairs, so a 16-row tile decodes their weights twice where a 32-row tile
+    decodes them once (4.0 instructions a weight against twice 3.0, offline SASS). The 128- and
+    256-column tiles also come with three pipeline stages, which
     fit more programs an SM (the 8 x 256 tile: four, 16 warps, where four stages' shared memory
     fits two); at 2, 4 and 8 rows an expert the fastest tile had three stages in two runs
     (H100, bench/results/w4a16_moe_stages_h100.json).
@@ -604,11 +607,13 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     one pair a program) with the dense GEMV's two tiles and split counts for the ``n`` output
     columns."""
     large = [MoeConfig(64, bn, 128, 8, 3) for bn in (64, 128)]
-    if num_pairs > 16 * num_experts:
+    if num_pairs > 48 * num_experts:
         return large
+    mid = [MoeConfig(32, 128, 128, 4, s) for s in (4, 3)] + [
+        MoeConfig(32, bn, 128, 8, 3) for bn in (128, 256)]  # fmt: skip
     small = [MoeConfig(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 3)]
     if num_pairs > 4 * num_experts:
-        return small + large
+        return small + mid + large
     swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
     fewer_stages = [replace(c, num_stages=3) for c in swapped[1:]]
     split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in

@@ -311,6 +311,31 @@ def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
     assert rel_l2(out16, fused_moe_reference(x, b13, b2, weights, ids)) <= REL_L2
 
 
+def test_fused_moe_32_row_blocks_match_reference():
+    """32-row expert blocks, the tuner's tiles from 4 pairs an expert: experts holding more
+    than 16 pairs (here 18 on average) in one block, and beside a 16-row down GEMM, which
+    aligns the pairs twice."""
+    experts, hidden, inter, tokens, top_k = 4, 128, 64, 24, 3
+    w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, 32, 32, True,
+                                        seed=4)  # fmt: skip
+    assert torch.bincount(ids.flatten().cpu(), minlength=experts).max() > 16
+    rows32 = MoeConfig(block_m=32, block_n=32)
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    for cfgs in ((rows32, rows32), (rows32, MoeConfig(block_n=32))):
+        assert rel_l2(fused_moe(x, w13, w2, weights, ids, configs=cfgs), ref) <= REL_L2
+
+
+def test_moe_candidates_offer_32_row_blocks_between_4_and_48_pairs_an_expert():
+    """The tuner times 32-row tiles where an expert's pairs may overflow a 16-row block, and
+    only 64-row tiles beyond 48 pairs an expert."""
+    def rows(pairs):
+        return {c.block_m for c in moe_module._candidates(pairs, 48, 4096)}
+
+    assert 32 not in rows(2 * 48)
+    assert {16, 32, 64} <= rows(16 * 48) and {16, 32, 64} <= rows(40 * 48)
+    assert rows(49 * 48) == {64}
+
+
 @pytest.mark.parametrize("g13,g2,symmetric", [(32, 32, True), (128, 32, False)])
 def test_fused_moe_split_k_matches_reference(g13, g2, symmetric):
     """K split over programs, met in counted fp32 sums inside the launch: the program that adds
