@@ -588,9 +588,9 @@ def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
     block) 16-row blocks, and 8-row blocks with the weights as the dot's first operand
     (``m16n8k16``: half the tensor-core work of a 16-row block). In between all are timed, with
     32-row blocks too: with 4-5 pairs per expert (GLM 5's slice at 128 requests) 64-row blocks
-    alone ran the experts 10.8x slower than at 64 requests, and at 16 an expert many experts
-    hold more than 16 pairs, so a 16-row tile decodes their weights twice where a 32-row tile
-    decodes them once (4.0 instructions a weight against twice 3.0, offline SASS). The 128- and
+    alone ran the experts 10.8x slower than at 64 requests. At 16 pairs an expert the 32-row
+    tiles ran bf16 experts 1.07-1.09x faster than 16-row ones, and INT4 experts 0.77-0.81x
+    (H100, bench/results/w4a16_moe_v16_rows32_glm_ep8_512_h100.json). The 128- and
     256-column tiles also come with three pipeline stages, which
     fit more programs an SM (the 8 x 256 tile: four, 16 warps, where four stages' shared memory
     fits two); at 2, 4 and 8 rows an expert the fastest tile had three stages in two runs
