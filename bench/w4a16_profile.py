@@ -12,10 +12,11 @@ time printed. With ``--groups``: Kimi K2's MoE up GEMM (384 experts, 7168 -> 2 x
 epilogue) at 4 rows an expert on one tile, with group 32 and with group 128 experts: the same
 launches and codes (group 32 carries 9% more bytes in its scales), so the two profiles differ
 by the group-32 decode. With ``--marlin DIR`` (``sglang_jit_build.py``'s modules): Kimi K2's
-routed experts (384, top 8, group 32), the whole forward by ours (``fused_moe`` as tuned) and by
-SGLang's Marlin MoE on the same weights repacked, at 1 token and 2 and 4 rows an expert, the
-sizes where Marlin's is the faster (docs/kernels-int4.md): each forward's CUDA-graph time
-printed, then every launch of both profiled. With ``--wgmma DIR``: 64 tokens on 16384 x 7168
+routed experts (384, top 8, group 32; ``--moe-shape TEXT``: the first of w4a16_bench's MoE
+shapes whose name holds TEXT), the whole forward by ours (``fused_moe`` as tuned) and by
+SGLang's Marlin MoE on the same weights repacked, at 1 token and 2 and 4 rows an expert
+(``--rows 16``: other sizes): each forward's CUDA-graph time printed, then every launch of both
+profiled. With ``--wgmma DIR``: 64 tokens on 16384 x 7168
 (group 128) and 4608 x 7168 (group 32), the Gluon warpgroup-MMA kernel's fastest tile and
 Marlin's GEMM on the same weights repacked, each call's CUDA-graph time printed.
 Compilation, tuning and a warm-up run happen before the profiler starts.
@@ -35,7 +36,7 @@ from tessera.kernels.w4a16_gemm import (
 )
 from tessera.kernels.w4a16_moe import MoeConfig, align_to_experts, fused_moe, moe_gemm
 from timing import graph_time_us
-from w4a16_bench import SLICE_LINEARS, random_int4, routings, tokens_for_rows
+from w4a16_bench import MOE_SHAPES, SLICE_LINEARS, random_int4, routings, tokens_for_rows
 
 
 def profile_once(calls) -> None:
@@ -80,16 +81,18 @@ def profile_group_sizes() -> None:
     profile_once(calls)
 
 
-def profile_moe_against_marlin(folder: Path) -> None:
+def profile_moe_against_marlin(folder: Path, shape: str, rows_list: list[int]) -> None:
     from marlin import Marlin
 
     marlin = Marlin(folder)
-    experts, hidden, inter, top_k, group = 384, 7168, 2048, 8, 32
+    name = next(k for k in MOE_SHAPES if shape in k)
+    experts, hidden, inter, top_k, group = MOE_SHAPES[name]
+    print(name, flush=True)
     sets = [(random_int4((experts, 2 * inter, hidden), group),
              random_int4((experts, hidden, inter), group)) for _ in range(2)]  # fmt: skip
     repacked = [(marlin.from_ours(w13), marlin.from_ours(w2)) for w13, w2 in sets]
     calls = []
-    for rows in (1, 2, 4):
+    for rows in rows_list:
         tokens = tokens_for_rows(rows, experts, top_k)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         rs = routings(tokens, experts, top_k, len(sets))
@@ -142,12 +145,19 @@ def profile_wgmma_against_marlin(folder: Path) -> None:
     profile_once(calls)
 
 
+def _option(flag: str, default: str) -> str:
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+
+
 def main() -> None:
     if "--wgmma" in sys.argv:
         profile_wgmma_against_marlin(Path(sys.argv[sys.argv.index("--wgmma") + 1]))
         return
     if "--marlin" in sys.argv:
-        profile_moe_against_marlin(Path(sys.argv[sys.argv.index("--marlin") + 1]))
+        rows = [int(r) for r in _option("--rows", "1,2,4").split(",")]
+        profile_moe_against_marlin(Path(_option("--marlin", "")),
+                                   _option("--moe-shape", "kimi-like 384x7168x2048 top8 g32"),
+                                   rows)  # fmt: skip
         return
     if "--slice" in sys.argv:
         profile_slice_linears()
