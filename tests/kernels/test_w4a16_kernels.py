@@ -563,6 +563,26 @@ def test_moe_dependent_launches_match_plain_ones():
 
 @gpu
 @needs_gpu
+def test_fused_moe_every_tile_at_16_pairs_an_expert():
+    """Every tile the tuner may take at 16 pairs an expert (16-, 32- and 64-row blocks, the
+    packed PTX decode), in both GEMMs, at Kimi K2's widths (group 32), against the reference."""
+    experts, hidden, inter, top_k, tokens = 8, 7168, 2048, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w13 = random_experts(experts, 2 * inter, hidden, g)
+    w2 = random_experts(experts, hidden, inter, g)
+    x = make_x(tokens, hidden, seed=8)
+    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
+                       for _ in range(tokens)])  # fmt: skip
+    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
+    ref = reference_on_used_experts(x, w13, w2, weights, ids)
+    cfgs = moe_module._candidates(tokens * top_k, experts, 2 * inter, True)
+    assert {c.block_m for c in cfgs} == {16, 32, 64}
+    for cfg in cfgs:
+        assert rel_l2(fused_moe(x, w13, w2, weights, ids, (cfg, cfg)), ref) <= REL_L2, cfg
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("experts,tokens,split", [(48, 1, 8), (384, 1, 4), (48, 16, 2)])
 def test_fused_moe_gemv_real_width(experts, tokens, split):
     """The gemv path with its fp16x2 PTX decode at Kimi K2's expert shapes (group 32): one
