@@ -582,8 +582,9 @@ def _topk_sum(out: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     return res
 
 
-def _candidates(num_pairs: int, num_experts: int, n: int | None = None,
-                int4: bool = True) -> list[MoeConfig]:
+def _candidates(
+    num_pairs: int, num_experts: int, n: int | None = None, int4: bool = True
+) -> list[MoeConfig]:
     """Blocks of 64 rows beyond 48 pairs an expert; at decode sizes (about one pair per expert
     block) 16-row blocks, and 8-row blocks with the weights as the dot's first operand
     (``m16n8k16``: half the tensor-core work of a 16-row block). In between all are timed, with

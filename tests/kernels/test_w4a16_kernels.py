@@ -328,6 +328,7 @@ def test_fused_moe_32_row_blocks_match_reference():
 def test_moe_candidates_offer_32_row_blocks_between_4_and_48_pairs_an_expert():
     """The tuner times 32-row tiles where an expert's pairs may overflow a 16-row block, and
     only 64-row tiles beyond 48 pairs an expert."""
+
     def rows(pairs):
         return {c.block_m for c in moe_module._candidates(pairs, 48, 4096)}
 
