@@ -130,7 +130,7 @@ def marlin_time(call, sets: int) -> tuple[float, str]:
     return statistics.median(times), "eager"
 
 
-TUNER_ROUNDS = 3  # times --candidates times every tile the tuner's way
+TUNER_ROUNDS = 3  # times --candidates times every tile (or MoE pick) the tuner's way
 
 
 def tuner_pick_costs(tuner_us: dict[str, list[float]], bench_us: dict[str, float]) -> dict:
@@ -463,6 +463,39 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
     return out
 
 
+def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
+    """The MoE tuner's choice as it makes it (``_tune_stages``: each (up, down) pair's whole
+    forward timed by the tuner's ``_graph_time`` on one input and routing), uncached and
+    repeated TUNER_ROUNDS times: each round's pick and its forward by the bench's timing,
+    beside the forward of the fastest up and down tiles timed alone (``alone``, from
+    ``moe_candidates``)."""
+    w13, w2 = w
+    experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
+    pairs = rs[0][1].numel()
+    up_cands, down_cands, mid = w4a16_moe._tune_candidates(w13, w2, pairs, experts)
+
+    def forward(cfgs, i=0):
+        return fused_moe(xs[i], w13, w2, *rs[i], configs=cfgs)
+
+    def fastest(stage, cfg_pairs):
+        times = {cfgs: _graph_time(functools.partial(forward, cfgs)) for cfgs in cfg_pairs}
+        return min(times, key=times.__getitem__)
+
+    def bench_us(cfgs):
+        return graph_time_us(lambda i: forward(cfgs, i), len(rs))
+
+    picks = [w4a16_moe._tune_stages(fastest, up_cands, down_cands, mid)
+             for _ in range(TUNER_ROUNDS)]  # fmt: skip
+    by_name = {_short(c): c for c in up_cands + down_cands}
+    best = tuple(by_name[min(alone[g], key=alone[g].__getitem__)] for g in ("up", "down"))
+    return {
+        "picks": [[_short(c) for c in cfgs] for cfgs in picks],
+        "picks_us": [bench_us(cfgs) for cfgs in picks],
+        "fastest_alone": [_short(c) for c in best],
+        "fastest_alone_us": bench_us(best),
+    }
+
+
 def tuned_moe_tiles(tokens, experts, hidden, kind) -> tuple:
     """The (up, down) tiles ``fused_moe`` runs at this shape: the tuner's last stage."""
     return _TUNED[("moe_up_given_down", tokens, experts, (hidden,), kind,
@@ -525,7 +558,7 @@ def bench_moe_shape(
             marlin = marlin_moe_times(xs, rs, (mw13, mw2), experts, hidden, inter, top_k, group)
             marlin["x_vs_marlin_moe"] = marlin["marlin_moe_us"] / t_int4
         touched = statistics.mean(r[1].unique().numel() for r in rs)
-        parts, per_config = {}, {}
+        parts, per_config, tuner_rounds = {}, {}, {}
         if candidates:
             for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
                 per_config[kind] = moe_candidates(xs, w, rs, top_k)
@@ -533,6 +566,12 @@ def bench_moe_shape(
                     print(f"  T={tokens} {kind} {gemm} candidates (us): " + ", ".join(
                         f"{c} {t:.1f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])),
                         flush=True)  # fmt: skip
+                tuner_rounds[kind] = rounds = moe_tuner_rounds(xs, w, rs, per_config[kind])
+                print(f"  T={tokens} {kind} tuner's picks: " + ", ".join(
+                    f"{p} {t:.1f}" for p, t in zip(rounds["picks"], rounds["picks_us"],
+                                                   strict=True))
+                    + f"; fastest tiles alone {rounds['fastest_alone']} "
+                    f"{rounds['fastest_alone_us']:.1f} us", flush=True)  # fmt: skip
             tuned = {key[0]: v for key, v in _TUNED.items()
                      if key[0].startswith("moe") and key[1] == tokens}  # fmt: skip
             for kind, w in (("int4", (w13, w2)), ("bf16", (b13, b2))):
@@ -555,7 +594,8 @@ def bench_moe_shape(
             "tuned_configs": {f"{key[0]} {key[-2]}": str(v) for key, v in _TUNED.items()
                               if key[0].startswith("moe") and key[1] == tokens},
             "tuned_tiles": tuned_tiles,
-            "parts_us": parts, "candidates_us": per_config, **marlin, **aligned_tiles,
+            "parts_us": parts, "candidates_us": per_config, "tuner_rounds": tuner_rounds,
+            **marlin, **aligned_tiles,
         })  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "

@@ -692,13 +692,21 @@ def _tune(x, w13, w2, num_pairs, num_experts, run) -> tuple[MoeConfig, MoeConfig
     once and kept under its own key."""
     kind = "int4" if isinstance(w13, W4A16Weight) else "bf16"
     shape = (x.shape[0], num_experts, tuple(x.shape[1:]), kind, torch.cuda.get_device_name())
-    tiles = _candidates(num_pairs, num_experts)
-    int4 = kind == "int4"
     return _tune_stages(
         lambda stage, cfg_pairs: tune_cached((stage, *shape), lambda: cfg_pairs, run),
+        *_tune_candidates(w13, w2, num_pairs, num_experts),
+    )
+
+
+def _tune_candidates(w13, w2, num_pairs: int, num_experts: int) -> tuple[list, list, MoeConfig]:
+    """The up GEMM's and the down GEMM's candidates, and the down tile the up GEMM is first
+    timed with (:func:`_tune_stages`)."""
+    int4 = isinstance(w13, W4A16Weight)
+    tiles = _candidates(num_pairs, num_experts)
+    return (
         _candidates(num_pairs, num_experts, _num_columns(w13), int4),
         _candidates(num_pairs, num_experts, _num_columns(w2), int4),
-        mid=tiles[len(tiles) // 2],
+        tiles[len(tiles) // 2],
     )
 
 
