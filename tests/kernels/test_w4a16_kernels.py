@@ -528,6 +528,20 @@ def random_experts(experts, n, k, g):
     return W4A16Weight(codes, scales.to(torch.bfloat16) / 4, None, 32)
 
 
+def kimi_width_moe(experts, tokens, top_k, seed, x_seed):
+    """Kimi K2's expert widths (7168 -> 2 x 2048, group 32), drawn on the GPU, activations and
+    a random top-k routing: ``(w13, w2, x, ids, weights)``."""
+    hidden, inter = 7168, 2048
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = random_experts(experts, 2 * inter, hidden, g)
+    w2 = random_experts(experts, hidden, inter, g)
+    x = make_x(tokens, hidden, seed=x_seed)
+    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
+                       for _ in range(tokens)])  # fmt: skip
+    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
+    return w13, w2, x, ids, weights
+
+
 def reference_on_used_experts(x, w13, w2, weights, ids):
     """``fused_moe_reference`` dequantizing only the experts ``ids`` uses."""
     used = ids.unique()
@@ -567,16 +581,10 @@ def test_moe_dependent_launches_match_plain_ones():
 def test_fused_moe_every_tile_at_16_pairs_an_expert():
     """Every tile the tuner may take at 16 pairs an expert (16-, 32- and 64-row blocks, the
     packed PTX decode), in both GEMMs, at Kimi K2's widths (group 32), against the reference."""
-    experts, hidden, inter, top_k, tokens = 8, 7168, 2048, 2, 64
-    g = torch.Generator(device="cuda").manual_seed(7)
-    w13 = random_experts(experts, 2 * inter, hidden, g)
-    w2 = random_experts(experts, hidden, inter, g)
-    x = make_x(tokens, hidden, seed=8)
-    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
-                       for _ in range(tokens)])  # fmt: skip
-    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
+    experts, top_k, tokens = 8, 2, 64
+    w13, w2, x, ids, weights = kimi_width_moe(experts, tokens, top_k, seed=7, x_seed=8)
     ref = reference_on_used_experts(x, w13, w2, weights, ids)
-    cfgs = moe_module._candidates(tokens * top_k, experts, 2 * inter, True)
+    cfgs = moe_module._candidates(tokens * top_k, experts, w13.n, True)
     assert {c.block_m for c in cfgs} == {16, 32, 64}
     for cfg in cfgs:
         assert rel_l2(fused_moe(x, w13, w2, weights, ids, (cfg, cfg)), ref) <= REL_L2, cfg
@@ -588,14 +596,8 @@ def test_fused_moe_every_tile_at_16_pairs_an_expert():
 def test_fused_moe_gemv_real_width(experts, tokens, split):
     """The gemv path with its fp16x2 PTX decode at Kimi K2's expert shapes (group 32): one
     EP-8 GPU's 48 experts and all 384, one pair and several pairs an expert."""
-    hidden, inter, top_k = 7168, 2048, 8 if experts == 384 else 1
-    g = torch.Generator(device="cuda").manual_seed(4)
-    w13 = random_experts(experts, 2 * inter, hidden, g)
-    w2 = random_experts(experts, hidden, inter, g)
-    x = make_x(tokens, hidden, seed=6)
-    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k]
-                       for _ in range(tokens)])  # fmt: skip
-    weights = torch.rand(tokens, top_k, generator=g, device="cuda").softmax(-1)
+    top_k = 8 if experts == 384 else 1
+    w13, w2, x, ids, weights = kimi_width_moe(experts, tokens, top_k, seed=4, x_seed=6)
     cfg = MoeConfig(1, 128, 128, split_k=split, path="gemv")
     out = fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg))
     ref = reference_on_used_experts(x, w13, w2, weights, ids)
