@@ -470,9 +470,9 @@ def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
     beside the forward of the fastest up and down tiles timed alone (``alone``, from
     ``moe_candidates``)."""
     w13, w2 = w
-    experts = (w13.qweight if isinstance(w13, W4A16Weight) else w13).shape[0]
     pairs = rs[0][1].numel()
-    up_cands, down_cands, mid = w4a16_moe._tune_candidates(w13, w2, pairs, experts)
+    up_cands, down_cands, mid = w4a16_moe._tune_candidates(w13, w2, pairs,
+                                                           w4a16_moe._num_experts(w13))
 
     def forward(cfgs, i=0):
         return fused_moe(xs[i], w13, w2, *rs[i], configs=cfgs)

@@ -151,7 +151,7 @@ def _option(flag: str, default: str) -> str:
 
 def main() -> None:
     if "--wgmma" in sys.argv:
-        profile_wgmma_against_marlin(Path(sys.argv[sys.argv.index("--wgmma") + 1]))
+        profile_wgmma_against_marlin(Path(_option("--wgmma", "")))
         return
     if "--marlin" in sys.argv:
         rows = [int(r) for r in _option("--rows", "1,2,4").split(",")]
