@@ -51,8 +51,10 @@ from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import (
     _TUNED,
+    TUNE_ROUNDS,
     _candidates,
     _graph_time,
+    _graph_times,
     _m_bucket,
     _wgmma_tiles,
     w4a16_matmul,
@@ -465,10 +467,11 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
 
 def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
     """The MoE tuner's choice as it makes it (``_tune_stages``: each (up, down) pair's whole
-    forward timed by the tuner's ``_graph_time`` on one input and routing), uncached and
-    repeated TUNER_ROUNDS times: each round's pick and its forward by the bench's timing,
-    beside the forward of the fastest up and down tiles timed alone (``alone``, from
-    ``moe_candidates``)."""
+    forward timed by the tuner's ``_graph_times`` on one input and routing), uncached and
+    repeated TUNER_ROUNDS times, with its candidates timed one after another (1 round) and in
+    TUNE_ROUNDS interleaved rounds, alternating: each repetition's pick and its forward by the
+    bench's timing, beside the forward of the fastest up and down tiles timed alone (``alone``,
+    from ``moe_candidates``)."""
     w13, w2 = w
     pairs = rs[0][1].numel()
     up_cands, down_cands, mid = w4a16_moe._tune_candidates(w13, w2, pairs,
@@ -477,23 +480,29 @@ def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
     def forward(cfgs, i=0):
         return fused_moe(xs[i], w13, w2, *rs[i], configs=cfgs)
 
-    def fastest(stage, cfg_pairs):
-        times = {cfgs: _graph_time(functools.partial(forward, cfgs)) for cfgs in cfg_pairs}
-        return min(times, key=times.__getitem__)
+    def tuner(rounds):
+        def fastest(stage, cfg_pairs):
+            times = _graph_times({c: functools.partial(forward, c) for c in cfg_pairs}, rounds)
+            return min(times, key=times.__getitem__)
+
+        return w4a16_moe._tune_stages(fastest, up_cands, down_cands, mid)
 
     def bench_us(cfgs):
         return graph_time_us(lambda i: forward(cfgs, i), len(rs))
 
-    picks = [w4a16_moe._tune_stages(fastest, up_cands, down_cands, mid)
-             for _ in range(TUNER_ROUNDS)]  # fmt: skip
+    picks = {r: [] for r in (1, TUNE_ROUNDS)}
+    for _ in range(TUNER_ROUNDS):
+        for r, rounds_picks in picks.items():
+            rounds_picks.append(tuner(r))
     by_name = {_short(c): c for c in up_cands + down_cands}
     best = tuple(by_name[min(alone[g], key=alone[g].__getitem__)] for g in ("up", "down"))
     return {
-        "picks": [[_short(c) for c in cfgs] for cfgs in picks],
-        "picks_us": [bench_us(cfgs) for cfgs in picks],
+        "picks": {f"{r} rounds": [[_short(c) for c in cfgs] for cfgs in p]
+                  for r, p in picks.items()},
+        "picks_us": {f"{r} rounds": [bench_us(cfgs) for cfgs in p] for r, p in picks.items()},
         "fastest_alone": [_short(c) for c in best],
         "fastest_alone_us": bench_us(best),
-    }
+    }  # fmt: skip
 
 
 def tuned_moe_tiles(tokens, experts, hidden, kind) -> tuple:
@@ -567,9 +576,10 @@ def bench_moe_shape(
                         f"{c} {t:.1f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])),
                         flush=True)  # fmt: skip
                 tuner_rounds[kind] = rounds = moe_tuner_rounds(xs, w, rs, per_config[kind])
-                print(f"  T={tokens} {kind} tuner's picks: " + ", ".join(
-                    f"{p} {t:.1f}" for p, t in zip(rounds["picks"], rounds["picks_us"],
-                                                   strict=True))
+                print(f"  T={tokens} {kind} tuner's picks: " + "; ".join(
+                    f"{way}: " + ", ".join(f"{p} {t:.1f}" for p, t in zip(
+                        rounds["picks"][way], rounds["picks_us"][way], strict=True))
+                    for way in rounds["picks"])
                     + f"; fastest tiles alone {rounds['fastest_alone']} "
                     f"{rounds['fastest_alone_us']:.1f} us", flush=True)  # fmt: skip
             tuned = {key[0]: v for key, v in _TUNED.items()

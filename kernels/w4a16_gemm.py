@@ -620,6 +620,8 @@ class GemmConfig:
 
 
 _TUNED: dict[tuple, object] = {}
+# interleaved rounds in which the tuner times its candidates (:func:`_graph_times`)
+TUNE_ROUNDS = 3
 
 
 def _m_bucket(m: int) -> int:
@@ -878,43 +880,55 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     into the L2 after it changed no pick beyond that spread (w4a16_gemm_tuner_warm.json).
     Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
     choices became noise)."""
+    return _graph_times({0: fn}, rounds=1, calls=calls, replays=replays)[0]
+
+
+def _graph_times(fns: dict, rounds: int = TUNE_ROUNDS, calls: int = 16,
+                 replays: int = 9) -> dict:  # fmt: skip
+    """:func:`_graph_time` of each of ``fns`` (key: function), its ``replays`` split into
+    ``rounds`` interleaved rounds, so that a drift of clocks during tuning falls on every
+    candidate alike, not on those timed last. Keys whose function fails to compile (e.g. out
+    of shared memory) are left out."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    graphs = {}
+    for key, fn in fns.items():
 
-    def flushed_calls() -> None:
-        for _ in range(calls):
-            flush.max()
-            fn()
+        def flushed_calls(fn=fn) -> None:
+            for _ in range(calls):
+                flush.max()
+                fn()
 
-    graph = capture_graph(flushed_calls)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        try:
+            graphs[key] = capture_graph(flushed_calls)
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+            continue
+        graphs[key].replay()
+    times = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            for _ in range(replays // rounds):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times[key].append(start.elapsed_time(end))
+    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
 def tune_cached(key: tuple, candidates: Callable[[], list], run: Callable) -> object:
-    """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key
-    (candidates that fail to compile, e.g. out of shared memory, are skipped); ``candidates()``
-    lists them, called only when the key is new (not on every decode call)."""
+    """The candidate for which ``run(candidate)`` is fastest on the GPU (:func:`_graph_times`),
+    measured once per key; ``candidates()`` lists them, called only when the key is new (not
+    on every decode call)."""
     if key not in _TUNED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"no tuned config for {key} while a CUDA graph is being captured: run this "
                 "shape once before capturing (or pass a config)"
             )
-        times = {}
         candidates = candidates()
-        for c in candidates:
-            try:
-                times[c] = _graph_time(lambda c=c: run(c))
-            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
-                continue
+        times = _graph_times({c: functools.partial(run, c) for c in candidates})
         if not times:
             raise RuntimeError(f"no candidate config compiled for {key}: {candidates}")
         _TUNED[key] = min(times, key=times.__getitem__)

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from tessera.kernels import w4a16_gemm as gemm_module
 from tessera.kernels import w4a16_moe as moe_module
 from tessera.kernels.w4a16_format import W4A16Weight, dequantize, quantize_rtn
@@ -620,6 +621,27 @@ def test_ptx_decode_matches_plain_decode(group, symmetric, m):
         else:  # fp32 atomics add the splits in any order
             assert rel_l2(fast, plain) <= 1e-3
         assert rel_l2(fast, w4a16_matmul_reference(x, w)) <= REL_L2
+
+
+@gpu
+@needs_gpu
+def test_tuner_picks_the_fastest_candidate_and_skips_those_that_fail_to_compile():
+    """The tuner times every candidate in interleaved rounds and keeps the fastest; one that
+    runs out of shared memory is left out, not fatal."""
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def run(c: str) -> torch.Tensor:
+        if c == "out of shared memory":
+            raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+        return a @ a if c == "one matmul" else a @ a @ a @ a
+
+    key = ("test tuner", id(a))
+    picked = gemm_module.tune_cached(key, lambda: ["four matmuls", "out of shared memory",
+                                                   "one matmul"], run)  # fmt: skip
+    gemm_module._TUNED.pop(key)
+    assert picked == "one matmul"
+    with pytest.raises(RuntimeError, match="no candidate config compiled"):
+        gemm_module.tune_cached(key, lambda: ["out of shared memory"], run)
 
 
 @gpu
