@@ -591,11 +591,7 @@ def _candidates(
     32-row blocks too: with 4-5 pairs per expert (GLM 5's slice at 128 requests) 64-row blocks
     alone ran the experts 10.8x slower than at 64 requests. At 16 pairs an expert the 32-row
     tiles ran bf16 experts 1.07-1.09x faster than 16-row ones, and INT4 experts 0.77-0.81x
-    (H100, bench/results/w4a16_moe_v16_rows32_glm_ep8_512_h100.json). There the weights as
-    the dot's first operand (a warpgroup MMA on Hopper, its rows the MMA's N) decode each
-    weight once per program however many rows (offline SASS, Triton 3.9: the 32 x 128 tile 3.6
-    instructions a weight a thread, 159 registers, against 4.0 and 233 unswapped), so 16- and
-    32-row tiles come swapped too. The 128- and
+    (H100, bench/results/w4a16_moe_v16_rows32_glm_ep8_512_h100.json). The 128- and
     256-column tiles also come with three pipeline stages, which
     fit more programs an SM (the 8 x 256 tile: four, 16 warps, where four stages' shared memory
     fits two); at 2, 4 and 8 rows an expert the fastest tile had three stages in two runs
@@ -617,10 +613,8 @@ def _candidates(
     mid = [MoeConfig(32, 128, 128, 4, s) for s in (4, 3)] + [
         MoeConfig(32, bn, 128, 8, 3) for bn in (128, 256)]  # fmt: skip
     small = [MoeConfig(16, bn, 128, 4, s) for bn in (128, 256) for s in (4, 3)]
-    swapped_mid = [MoeConfig(bm, 128, 128, 4, s, swap=True) for bm in (16, 32) for s in (4, 3)]
-    swapped_mid.append(MoeConfig(16, 256, 128, 4, 3, swap=True))
     if num_pairs > 4 * num_experts:
-        return small + mid + swapped_mid + large
+        return small + mid + large
     swapped = [MoeConfig(8, bn, 128, 4, 4, swap=True) for bn in (64, 128, 256)]
     fewer_stages = [replace(c, num_stages=3) for c in swapped[1:]]
     split = [MoeConfig(8, bn, 128, 4, 4, swap=True, split_k=s) for bn, s in

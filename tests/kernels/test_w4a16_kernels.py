@@ -313,18 +313,16 @@ def test_fused_moe_swapped_blocks_match_reference(g13, g2, symmetric):
 
 
 def test_fused_moe_32_row_blocks_match_reference():
-    """32-row expert blocks, the tuner's tiles from 4 pairs an expert, plain and with the
-    weights as the dot's first operand: experts holding more than 16 pairs (here 18 on
-    average) in one block, and beside a 16-row down GEMM, which aligns the pairs twice."""
+    """32-row expert blocks, the tuner's tiles from 4 pairs an expert: experts holding more
+    than 16 pairs (here 18 on average) in one block, and beside a 16-row down GEMM, which
+    aligns the pairs twice."""
     experts, hidden, inter, tokens, top_k = 4, 128, 64, 24, 3
     w13, w2, x, ids, weights = moe_case(experts, hidden, inter, tokens, top_k, 32, 32, True,
                                         seed=4)  # fmt: skip
     assert torch.bincount(ids.flatten().cpu(), minlength=experts).max() > 16
     rows32 = MoeConfig(block_m=32, block_n=32)
-    swapped32 = MoeConfig(block_m=32, block_n=32, swap=True)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
-    for cfgs in ((rows32, rows32), (rows32, MoeConfig(block_n=32)), (swapped32, swapped32),
-                 (swapped32, MoeConfig(block_m=16, block_n=32, swap=True))):  # fmt: skip
+    for cfgs in ((rows32, rows32), (rows32, MoeConfig(block_n=32))):
         assert rel_l2(fused_moe(x, w13, w2, weights, ids, configs=cfgs), ref) <= REL_L2
 
 
