@@ -623,7 +623,7 @@ _TUNED: dict[tuple, object] = {}
 # The tuner times its candidates one after another (one round, :func:`_graph_times`). Three
 # interleaved rounds picked no faster MoE tiles at 16 rows an expert: GLM 5's forward 412.7-414.6
 # us against 408.0-416.6, Kimi K2's 749.2-764.1 against 681.6-730.3 (the same pair each time, that
-# the bench times slower; H100, bench/results/w4a16_moe_v17_tuner_rounds_*_h100.txt)
+# the bench times slower; H100, bench/results/w4a16_moe_v17_candidates_*_h100.txt)
 TUNE_ROUNDS = 1
 
 
