@@ -51,12 +51,12 @@ from tessera.kernels import w4a16_moe
 from tessera.kernels.w4a16_format import PACK, W4A16Weight, dequantize, unpack_int4
 from tessera.kernels.w4a16_gemm import (
     _TUNED,
-    TUNE_ROUNDS,
     _candidates,
     _graph_time,
-    _graph_times,
+    _l2_flush_buffer,
     _m_bucket,
     _wgmma_tiles,
+    capture_graph,
     w4a16_matmul,
 )
 from tessera.kernels.w4a16_moe import (
@@ -465,13 +465,47 @@ def moe_candidates(xs, w, rs, top_k) -> dict[str, dict[str, float]]:
     return out
 
 
+def interleaved_graph_times(fns: dict, rounds: int, calls: int = 16, replays: int = 9) -> dict:
+    """The tuner's ``_graph_time`` of each of ``fns`` (key: function), its ``replays`` split
+    into ``rounds`` interleaved rounds, so that a drift of clocks falls on every candidate
+    alike; one round times them one after another, as the tuner does."""
+    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+
+    def flushed(fn):
+        def calls_after_flushes():
+            for _ in range(calls):
+                flush.max()
+                fn()
+
+        return calls_after_flushes
+
+    graphs = {}
+    for key, fn in fns.items():
+        try:
+            graphs[key] = capture_graph(flushed(fn))
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+            continue  # as the tuner skips them
+        graphs[key].replay()
+    times = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            for _ in range(replays // rounds):
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times[key].append(start.elapsed_time(end))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
     """The MoE tuner's choice as it makes it (``_tune_stages``: each (up, down) pair's whole
-    forward timed by the tuner's ``_graph_times`` on one input and routing), uncached and
-    repeated TUNER_ROUNDS times, with its candidates timed one after another (1 round) and in
-    TUNE_ROUNDS interleaved rounds, alternating: each repetition's pick and its forward by the
-    bench's timing, beside the forward of the fastest up and down tiles timed alone (``alone``,
-    from ``moe_candidates``)."""
+    forward timed the tuner's way on one input and routing), uncached and repeated
+    TUNER_ROUNDS times, with its candidates timed one after another (1 round, as the tuner
+    does) and in TUNER_ROUNDS interleaved rounds, alternating: each repetition's pick and its
+    forward by the bench's timing, beside the forward of the fastest up and down tiles timed
+    alone (``alone``, from ``moe_candidates``)."""
     w13, w2 = w
     pairs = rs[0][1].numel()
     up_cands, down_cands, mid = w4a16_moe._tune_candidates(w13, w2, pairs,
@@ -482,7 +516,8 @@ def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
 
     def tuner(rounds):
         def fastest(stage, cfg_pairs):
-            times = _graph_times({c: functools.partial(forward, c) for c in cfg_pairs}, rounds)
+            times = interleaved_graph_times({c: functools.partial(forward, c) for c in cfg_pairs},
+                                            rounds)  # fmt: skip
             return min(times, key=times.__getitem__)
 
         return w4a16_moe._tune_stages(fastest, up_cands, down_cands, mid)
@@ -490,7 +525,7 @@ def moe_tuner_rounds(xs, w, rs, alone: dict[str, dict[str, float]]) -> dict:
     def bench_us(cfgs):
         return graph_time_us(lambda i: forward(cfgs, i), len(rs))
 
-    picks = {r: [] for r in (1, TUNE_ROUNDS)}
+    picks = {r: [] for r in (1, TUNER_ROUNDS)}
     for _ in range(TUNER_ROUNDS):
         for r, rounds_picks in picks.items():
             rounds_picks.append(tuner(r))

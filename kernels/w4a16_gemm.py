@@ -620,11 +620,6 @@ class GemmConfig:
 
 
 _TUNED: dict[tuple, object] = {}
-# The tuner times its candidates one after another (one round, :func:`_graph_times`). Three
-# interleaved rounds picked no faster MoE tiles at 16 rows an expert: GLM 5's forward 412.7-414.6
-# us against 408.0-416.6, Kimi K2's 749.2-764.1 against 681.6-730.3 (the same pair each time, that
-# the bench times slower; H100, bench/results/w4a16_moe_v17_candidates_*_h100.txt)
-TUNE_ROUNDS = 1
 
 
 def _m_bucket(m: int) -> int:
@@ -883,55 +878,45 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     into the L2 after it changed no pick beyond that spread (w4a16_gemm_tuner_warm.json).
     Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
     choices became noise)."""
-    return _graph_times({0: fn}, rounds=1, calls=calls, replays=replays)[0]
-
-
-def _graph_times(fns: dict, rounds: int = TUNE_ROUNDS, calls: int = 16,
-                 replays: int = 9) -> dict:  # fmt: skip
-    """:func:`_graph_time` of each of ``fns`` (key: function), its ``replays`` split into
-    ``rounds`` interleaved rounds, so that a drift of clocks during tuning falls on every
-    candidate alike, not on those timed last. Keys whose function fails to compile (e.g. out
-    of shared memory) are left out."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
-    graphs = {}
-    for key, fn in fns.items():
 
-        def flushed_calls(fn=fn) -> None:
-            for _ in range(calls):
-                flush.max()
-                fn()
+    def flushed_calls() -> None:
+        for _ in range(calls):
+            flush.max()
+            fn()
 
-        try:
-            graphs[key] = capture_graph(flushed_calls)
-        except (triton.runtime.errors.OutOfResources, triton.CompilationError):
-            continue
-        graphs[key].replay()
-    times = {key: [] for key in graphs}
-    for _ in range(rounds):
-        for key, graph in graphs.items():
-            for _ in range(replays // rounds):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times[key].append(start.elapsed_time(end))
-    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+    graph = capture_graph(flushed_calls)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def tune_cached(key: tuple, candidates: Callable[[], list], run: Callable) -> object:
-    """The candidate for which ``run(candidate)`` is fastest on the GPU (:func:`_graph_times`),
-    measured once per key; ``candidates()`` lists them, called only when the key is new (not
-    on every decode call)."""
+    """The candidate for which ``run(candidate)`` is fastest on the GPU, measured once per key
+    (candidates that fail to compile, e.g. out of shared memory, are skipped); ``candidates()``
+    lists them, called only when the key is new (not on every decode call). One candidate after
+    another: timed in three interleaved rounds instead, the MoE's picks were no faster
+    (docs/kernels-int4.md, v17)."""
     if key not in _TUNED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"no tuned config for {key} while a CUDA graph is being captured: run this "
                 "shape once before capturing (or pass a config)"
             )
+        times = {}
         candidates = candidates()
-        times = _graph_times({c: functools.partial(run, c) for c in candidates})
+        for c in candidates:
+            try:
+                times[c] = _graph_time(lambda c=c: run(c))
+            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+                continue
         if not times:
             raise RuntimeError(f"no candidate config compiled for {key}: {candidates}")
         _TUNED[key] = min(times, key=times.__getitem__)

@@ -626,7 +626,7 @@ def test_ptx_decode_matches_plain_decode(group, symmetric, m):
 @gpu
 @needs_gpu
 def test_tuner_picks_the_fastest_candidate_and_skips_those_that_fail_to_compile():
-    """The tuner times every candidate in interleaved rounds and keeps the fastest; one that
+    """The tuner times every candidate and keeps the fastest; one that
     runs out of shared memory is left out, not fatal."""
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
 
