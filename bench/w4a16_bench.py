@@ -610,6 +610,8 @@ def bench_moe_shape(
                     print(f"  T={tokens} {kind} {gemm} candidates (us): " + ", ".join(
                         f"{c} {t:.1f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])),
                         flush=True)  # fmt: skip
+                if kind == "bf16":  # a baseline: its tuner's picks are not what ships
+                    continue
                 tuner_rounds[kind] = rounds = moe_tuner_rounds(xs, w, rs, per_config[kind])
                 print(f"  T={tokens} {kind} tuner's picks: " + "; ".join(
                     f"{way}: " + ", ".join(f"{p} {t:.1f}" for p, t in zip(
