@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -145,16 +146,13 @@ def tuner_pick_costs(tuner_us: dict[str, list[float]], bench_us: dict[str, float
     return {"picks": picks, "cost_us": [bench_us[p] - best for p in picks]}
 
 
-def bench_gemm(m_values, shapes, candidates: bool) -> list[dict]:
-    rows = []
+def bench_gemm(m_values, shapes, candidates: bool) -> Iterator[dict]:
     for name, (n, k, group) in shapes.items():
-        rows += bench_gemm_shape(name, n, k, group, m_values, candidates)
+        yield from bench_gemm_shape(name, n, k, group, m_values, candidates)
         torch.cuda.empty_cache()
-    return rows
 
 
-def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates) -> list[dict]:
-    rows = []
+def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates) -> Iterator[dict]:
     w_bytes = n * k // 2 + n * (k // group) * 2
     # as many weight sets as the bf16 and fp8 weights get (cycled past the L2), however small:
     # in decode a linear's weights come from HBM (a step reads far more than the L2 holds)
@@ -239,7 +237,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
                   + f"; tuner's picks: {tuner_rounds['picks']}, costing "
                   + ", ".join(f"{c:.1f}" for c in tuner_rounds["cost_us"]),
                   flush=True)  # fmt: skip
-        rows.append({
+        yield {
             "shape": name, "N": n, "K": k, "group": group, "M": m,
             "int4_us": t_int4, "bf16_us": t_bf16, "fp8_scaled_mm_us": t_fp8,
             "candidates_us": per_config, "tuner_us": tuner, "tuner_rounds": tuner_rounds,
@@ -249,7 +247,7 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
             "bf16_weight_TBps": 2 * n * k / t_bf16 / 1e6,
             "rel_l2_vs_fp32": err,
             "tuned_config": [str(v) for v in tuned],
-        })  # fmt: skip
+        }  # fmt: skip
         print(f"gemm {name:32s} M={m:5d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"fp8 {t_fp8:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
               f"x{t_fp8 / t_int4:5.2f} vs fp8  rel-L2 {err:.1e}"
@@ -262,7 +260,6 @@ def bench_gemm_shape(name: str, n: int, k: int, group: int, m_values, candidates
               + (f"  deepgemm {marlin['deepgemm_us']:6.1f}us "
                  f"(gemm {marlin['deepgemm_gemm_us']:.1f})" if "deepgemm_us" in marlin else ""),
               flush=True)  # fmt: skip
-    return rows
 
 
 def deepgemm_times(xs, fp8, m: int, n: int, k: int) -> dict:
@@ -381,15 +378,13 @@ def tokens_for_rows(rows_per_expert: int, experts: int, top_k: int) -> int:
 
 
 def bench_moe(token_values, shapes, sglang_kernel, candidates: bool,
-              rows_per_expert=None) -> list[dict]:  # fmt: skip
-    rows = []
+              rows_per_expert=None) -> Iterator[dict]:  # fmt: skip
     for name, shape in shapes.items():
         if rows_per_expert:
             experts, top_k = shape[0], shape[3]
             token_values = [tokens_for_rows(r, experts, top_k) for r in rows_per_expert]
-        rows += bench_moe_shape(name, *shape, token_values, sglang_kernel, candidates)
+        yield from bench_moe_shape(name, *shape, token_values, sglang_kernel, candidates)
         torch.cuda.empty_cache()
-    return rows
 
 
 def moe_parts(x, w, rs, top_k, cfgs) -> dict:
@@ -549,7 +544,6 @@ def tuned_moe_tiles(tokens, experts, hidden, kind) -> tuple:
 def bench_moe_shape(
     name, experts, hidden, inter, top_k, group, token_values, sglang_kernel, candidates
 ):  # fmt: skip
-    rows = []
     w13 = random_int4((experts, 2 * inter, hidden), group)
     w2 = random_int4((experts, hidden, inter), group)
     b13 = torch.randn(experts, hidden, 2 * inter, device="cuda", dtype=torch.bfloat16) / 64
@@ -632,7 +626,7 @@ def bench_moe_shape(
             del tuned
         tuned_tiles = {kind: [_short(c) for c in tuned_moe_tiles(tokens, experts, hidden, kind)]
                        for kind in ("int4", "bf16")}  # fmt: skip
-        rows.append({
+        yield {
             "shape": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
             "group": group, "tokens": tokens, "int4_us": t_int4, "bf16_experts_us": t_bf16,
             "sglang_int4_us": t_sg, "sglang_best_config": best_cfg,
@@ -643,7 +637,7 @@ def bench_moe_shape(
             "tuned_tiles": tuned_tiles,
             "parts_us": parts, "candidates_us": per_config, "tuner_rounds": tuner_rounds,
             **marlin, **aligned_tiles,
-        })  # fmt: skip
+        }  # fmt: skip
         print(f"moe {name} T={tokens:4d} int4 {t_int4:8.1f}us bf16 {t_bf16:8.1f}us "
               f"sglang {t_sg:8.1f}us  x{t_bf16 / t_int4:5.2f} vs bf16  "
               f"x{t_sg / t_int4:5.2f} vs sglang"
@@ -651,7 +645,6 @@ def bench_moe_shape(
                  f"{marlin['marlin_up_gemm_us']:.1f}+{marlin['marlin_down_gemm_us']:.1f}) "
                  f"x{marlin['x_vs_marlin_moe']:5.2f}" if marlin else ""),
               flush=True)  # fmt: skip
-    return rows
 
 
 def marlin_moe_times(xs, rs, weights, experts, hidden, inter, top_k, group) -> dict:
@@ -775,10 +768,12 @@ def main() -> None:
     }
     for part, run in runs.items():
         if args.only in (None, part):
-            results[part] = run()
-            doc = {**meta(sys.argv, args.commit), "seconds": round(time.time() - t0, 1),
-                   "rows": results[part]}  # fmt: skip
-            (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
+            results[part] = []
+            for row in run():  # written after each row: a run cut short keeps what it measured
+                results[part].append(row)
+                doc = {**meta(sys.argv, args.commit), "seconds": round(time.time() - t0, 1),
+                       "rows": results[part]}  # fmt: skip
+                (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):
         print(
