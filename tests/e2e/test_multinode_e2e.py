@@ -159,11 +159,16 @@ def test_tp16_prefill_runs_as_two_groups_on_distinct_nodes_and_is_ready(
             assert env[c.ENV_DIST_INIT_ADDR] == "$(LWS_LEADER_ADDRESS):20000"
 
     # Only the two leaders are endpoints of the prefill Service (what the router discovers).
-    slices = json.loads(kubectl("get", "endpointslices", "-n", namespace, "-l",
-                                "kubernetes.io/service-name=mn-prefill", "-o", "json").stdout)
-    endpoints = {e["targetRef"]["name"] for s in slices["items"] for e in s.get("endpoints") or []}
-    assert endpoints == {by_group["0"]["0"]["metadata"]["name"],
-                         by_group["1"]["0"]["metadata"]["name"]}
+    # The EndpointSlice controller lists a pod some time after it turns Ready, so wait for it.
+    leaders = {by_group["0"]["0"]["metadata"]["name"], by_group["1"]["0"]["metadata"]["name"]}
+
+    def endpoints() -> set[str]:
+        slices = json.loads(kubectl("get", "endpointslices", "-n", namespace, "-l",
+                                    "kubernetes.io/service-name=mn-prefill", "-o", "json").stdout)
+        return {e["targetRef"]["name"] for s in slices["items"] for e in s.get("endpoints") or []}
+
+    poll("both leaders, and only they, as the prefill Service's endpoints",
+         lambda: endpoints() == leaders, seen=endpoints)  # fmt: skip
 
     md = get_md(kubectl, namespace, "mn")
     assert md["status"]["prefill"]["replicas"] == 2
