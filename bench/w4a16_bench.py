@@ -54,10 +54,10 @@ from tessera.kernels.w4a16_gemm import (
     _TUNED,
     _candidates,
     _graph_time,
-    _l2_flush_buffer,
     _m_bucket,
     _wgmma_tiles,
-    capture_graph,
+    flushed_graph,
+    replay_times,
     w4a16_matmul,
 )
 from tessera.kernels.w4a16_moe import (
@@ -464,33 +464,16 @@ def interleaved_graph_times(fns: dict, rounds: int, calls: int = 16, replays: in
     """The tuner's ``_graph_time`` of each of ``fns`` (key: function), its ``replays`` split
     into ``rounds`` interleaved rounds, so that a drift of clocks falls on every candidate
     alike; one round times them one after another, as the tuner does."""
-    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
-
-    def flushed(fn):
-        def calls_after_flushes():
-            for _ in range(calls):
-                flush.max()
-                fn()
-
-        return calls_after_flushes
-
     graphs = {}
     for key, fn in fns.items():
         try:
-            graphs[key] = capture_graph(flushed(fn))
+            graphs[key] = flushed_graph(fn, calls)
         except (triton.runtime.errors.OutOfResources, triton.CompilationError):
             continue  # as the tuner skips them
-        graphs[key].replay()
     times = {key: [] for key in graphs}
     for _ in range(rounds):
         for key, graph in graphs.items():
-            for _ in range(replays // rounds):
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times[key].append(start.elapsed_time(end))
+            times[key] += replay_times(graph, replays // rounds)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -768,11 +751,10 @@ def main() -> None:
     }
     for part, run in runs.items():
         if args.only in (None, part):
-            results[part] = []
+            results[part], about = [], meta(sys.argv, args.commit)
             for row in run():  # written after each row: a run cut short keeps what it measured
                 results[part].append(row)
-                doc = {**meta(sys.argv, args.commit), "seconds": round(time.time() - t0, 1),
-                       "rows": results[part]}  # fmt: skip
+                doc = {**about, "seconds": round(time.time() - t0, 1), "rows": results[part]}
                 (args.out / f"w4a16_{part}{args.tag}.json").write_text(json.dumps(doc, indent=1))
     print("\n== summary ==")
     for r in results.get("gemm", []):

@@ -878,6 +878,12 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
     into the L2 after it changed no pick beyond that spread (w4a16_gemm_tuner_warm.json).
     Eager timing of these short calls would measure Python launch overhead, not the GPU (tile
     choices became noise)."""
+    times = replay_times(flushed_graph(fn, calls), replays)
+    return sorted(times)[len(times) // 2]
+
+
+def flushed_graph(fn: Callable[[], object], calls: int = 16) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, each after an L2 flush, replayed once."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
 
     def flushed_calls() -> None:
@@ -887,6 +893,11 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
 
     graph = capture_graph(flushed_calls)
     graph.replay()
+    return graph
+
+
+def replay_times(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """Milliseconds of each of ``replays`` replays of ``graph``."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -895,7 +906,7 @@ def _graph_time(fn: Callable[[], object], calls: int = 16, replays: int = 9) -> 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return times
 
 
 def tune_cached(key: tuple, candidates: Callable[[], list], run: Callable) -> object:
