@@ -103,6 +103,18 @@ def compile_cubin(
     return kernel.asm["cubin"]
 
 
+def tile_report(cfg: tuple[int, ...], **flags) -> dict:
+    """A Triton kernel's registers and stack and its K loop's opcodes, for ``cfg`` (``BLOCK_M,
+    BLOCK_N,group,warps[,stages[,BLOCK_K]]``) and :func:`compile_cubin`'s ``flags``. Also for
+    ``tests/kernels/test_w4a16_tile_compile.py``."""
+    scratch = Path.home() / ".cache" / "tessera" / "sass"
+    scratch.mkdir(parents=True, exist_ok=True)
+    named = "_".join(k for k, v in sorted(flags.items()) if v)
+    cubin = scratch / f"w4a16_{named}_{'_'.join(map(str, cfg))}.cubin"
+    cubin.write_bytes(compile_cubin(cfg, **flags))
+    return {"resources": resources(cubin), "loop": dict(loop_opcodes(cubin))}
+
+
 def compile_wgmma_cubin(
     bm: int, group: int, split: bool = False, stages: int = 4, warps: int = 4,
     counted: bool = False, pdl: bool = False,
@@ -273,31 +285,20 @@ def main() -> None:
                   f"{total / (64 * 128 // 128):.1f} per weight per thread; "
                   f"{top}", flush=True)  # fmt: skip
         return
-    scratch = Path.home() / ".cache" / "tessera" / "sass"
-    scratch.mkdir(parents=True, exist_ok=True)
     kind = "moe" if args.moe else "gemv" if args.gemv else "gemm"
     kind += "-plain" if args.plain else ""
     kind += ("-swap" if args.swap else "") + ("-silu" if args.silu else "")
     for cfg in configs:
         bm, bn, group, warps, *rest = cfg
         block_k = rest[1] if len(rest) > 1 else 128
-        cubin = scratch / f"w4a16_{kind}_{'_'.join(map(str, cfg))}.cubin"
-        cubin.write_bytes(
-            compile_cubin(
-                cfg,
-                fast=not args.plain,
-                moe=args.moe,
-                swap=args.swap,
-                silu=args.silu,
-                gemv=args.gemv,
-            )
-        )
-        ops = loop_opcodes(cubin)
+        built = tile_report(cfg, fast=not args.plain, moe=args.moe, swap=args.swap,
+                            silu=args.silu, gemv=args.gemv)  # fmt: skip
+        ops = collections.Counter(built["loop"])
         weights_per_thread = bn * block_k // (32 * warps)  # one K step
         total = sum(ops.values())
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(10))
         print(f"{kind} BM={bm:3d} BN={bn:3d} g{group:<3d} warps={warps} {rest}: "
-              f"{resources(cubin)}, K loop {total} instr = {total / weights_per_thread:.1f} "
+              f"{built['resources']}, K loop {total} instr = {total / weights_per_thread:.1f} "
               f"per weight per thread; {top}", flush=True)  # fmt: skip
 
 

@@ -12,9 +12,10 @@ Maths of one K step of ``BLOCK_K = 8 R`` rows, for word row ``r`` and nibble ``i
 so each nibble plane ``i`` is one ``[BLOCK_M, R] x [R, BLOCK_N]`` tensor-core dot over the strided
 activations ``x[:, i::8]``: the packed words are loaded once, coalesced along N, and never
 reshaped. Two codes become a packed bf16x2 ``128 + code`` in about two instructions, without an
-int->float conversion (``w4a16_layout.plane_ptx``); a second dot with ``-(128 + zero)`` removes the
-offset when a group spans the whole K step, and the scale then multiplies the
-``[BLOCK_M, BLOCK_N]`` partial sum instead of every weight. Smaller groups decode each weight to
+int->float conversion (``w4a16_layout.plane_ptx``); when a group spans the whole K step the
+offset comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])`` (16-row tiles; taller ones use a
+second dot with ``-(128 + zero)``), and the scale then multiplies the ``[BLOCK_M, BLOCK_N]``
+partial sum instead of every weight. Smaller groups decode each weight to
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
 counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
@@ -186,8 +187,9 @@ def _w4a16_accumulate(
     contiguous ``[BM, R, 8]`` tile, which Triton pipelines, and split in registers). With one group
     per step the weights go into the dot as ``128 + code`` and the offset ``-(128 + zero[n])``
     comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])``, with ``xsum`` (the step's sum of
-    each activation row) from one small dot per plane against ones; the scale then multiplies the
-    ``[BM, BN]`` partial sum. With smaller groups each weight is decoded to
+    each activation row) from one small dot per plane against ones (token tiles of 16 rows or
+    fewer; taller ones take a second full dot per plane with ``-(128 + zero)``); the scale then
+    multiplies the ``[BM, BN]`` partial sum. With smaller groups each weight is decoded to
     ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode (GPU); the
     plain-Triton decode computes the same bf16 values (for the CPU interpreter). Triton's software
     pipelining (``num_stages``) prefetches words and activations into shared memory; scales and
@@ -235,7 +237,17 @@ def _w4a16_accumulate(
                     sums = tl.dot(ones, xs[i], sums)
                 xsum = tl.max(sums, axis=0)[None, :]  # every row holds the sum
                 acc += (part + neg_zero.to(tl.float32) * xsum) * scale.to(tl.float32)
-            else:  # a rank-1 term here measured slower offline (layout changes, spills)
+            elif acc.shape[0] == 16:
+                # 32 columns of ones: 4 warps side by side, the accumulator's own warp layout
+                # (8 put them on top of each other, and the 16 x BN tile then spilled)
+                ones = tl.full((R, 32), 1.0, tl.bfloat16)
+                sums = tl.zeros((16, 32), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
+                    sums = tl.dot(xs[i], ones, sums)
+                xsum = tl.max(sums, axis=1)[:, None]  # every column holds the sum
+                acc += (part + neg_zero.to(tl.float32) * xsum) * scale.to(tl.float32)
+            else:  # taller tiles: a 32-column sums dot takes another warp layout and spills
                 offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
                 for i in tl.static_range(8):
                     part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)

@@ -34,14 +34,20 @@ def gpu_image_triton_dir() -> Path:
 
 
 @pytest.fixture(params=["installed", "gpu_image"])
-def report(request):
-    """``_report`` with the installed Triton, or with the engine image's."""
+def triton_dir(request) -> Path | None:
+    """Where the Triton to build with is: None for the installed one, or the engine image's."""
     if request.param == "installed":
-        return _report
+        return None
     path = gpu_image_triton_dir()
     if not (path / "triton" / "__init__.py").exists():
         pytest.skip(f"Triton {GPU_IMAGE_TRITON} is not in {path}: run scripts/setup.sh")
-    return lambda call: _report(call, path)
+    return path
+
+
+@pytest.fixture
+def report(triton_dir):
+    """``_report`` with the installed Triton, or with the engine image's."""
+    return lambda call: _report(call, triton_dir)
 
 
 @pytest.mark.parametrize(("page_size", "entries_per_page", "balanced"),
