@@ -6,8 +6,10 @@
 
 For every profiled launch: the warp instructions it executed, the stall samples by reason, and
 per opcode (the mnemonic without its modifiers) the instructions executed, their share, and the
-reasons its samples were taken for. Two kernels' tables side by side say which instructions one
-spends more of (for example tensor-core ``HMMA`` against packed ``HADD2``) and what each waits on.
+reasons its samples were taken for; then the shared-memory wavefronts of each memory opcode
+against the ideal (no bank conflicts) count. Two kernels' tables side by side say which
+instructions one spends more of (for example tensor-core ``HMMA`` against packed ``HADD2``) and
+what each waits on. (The export may list a launch twice, with the same counts.)
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def summary(rows: list[dict[str, str]], top: int) -> list[str]:
     stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
     executed: collections.Counter = collections.Counter()
     waits: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    wavefronts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for row in rows:
         op = opcode(row["Source"])
         executed[op] += int(row["Instructions Executed"] or 0)
         for c in stalls:
             waits[op][c.removeprefix("stall_")] += int(row[c] or 0)
+        for i, c in enumerate(("L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal")):
+            wavefronts[op][i] += int(row.get(c) or 0)
     total = sum(executed.values())
     reasons: collections.Counter = sum(waits.values(), collections.Counter())
     out = [f"warp instructions {total / 1e6:.2f} M; stall samples "
@@ -56,6 +61,11 @@ def summary(rows: list[dict[str, str]], top: int) -> list[str]:
         why = ", ".join(f"{r} {k}" for r, k in waits[op].most_common(4) if k)
         out.append(f"  {op:10s} {n / 1e6:7.2f} M {100 * n / total:5.1f}%  "
                    f"samples {sum(waits[op].values()):6d}: {why}")  # fmt: skip
+    shared = {op: w for op, w in wavefronts.items() if w[0]}
+    out.append(f"shared-memory wavefronts {sum(w[0] for w in shared.values()) / 1e6:.2f} M "
+               f"(ideal {sum(w[1] for w in shared.values()) / 1e6:.2f} M)")  # fmt: skip
+    for op, (real, ideal) in sorted(shared.items(), key=lambda kv: -kv[1][0]):
+        out.append(f"  {op:10s} {real / 1e6:7.2f} M (ideal {ideal / 1e6:.2f} M)")
     return out
 
 
