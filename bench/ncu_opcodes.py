@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import re
 from pathlib import Path
 
-OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+from w4a16_sass import opcode
 
 
 def launches(text: str) -> list[tuple[str, list[dict[str, str]]]]:
@@ -34,11 +33,6 @@ def launches(text: str) -> list[tuple[str, list[dict[str, str]]]]:
         else:
             lines.append(line)
     return found
-
-
-def opcode(source: str) -> str:
-    match = OPCODE.match(source.strip())
-    return match.group(1) if match else source.strip()
 
 
 def summary(rows: list[dict[str, str]], top: int) -> list[str]:

@@ -156,7 +156,7 @@ def wgmma_report(
     # the whole kernel's global atomics by kind (the split's reductions, counts and exchanges)
     atomics = collections.Counter(re.findall(r"\b((?:REDG|ATOMG)\.E\.[A-Z0-9]+)", sass))
     return {"resources": resources(cubin), "shared": shared, "mma_waits": waits,
-            "loop": dict(collections.Counter(_opcode(t) for t in loop)),
+            "loop": dict(collections.Counter(opcode(t) for t in loop)),
             "atomics": dict(atomics),
             "a_operand_hazards": register_operand_hazards(cubin)}  # fmt: skip
 
@@ -223,11 +223,13 @@ def operand_hazards(loop: list[str], mma: str = "HGMMA") -> list[str]:
 def loop_opcodes(cubin: Path, innermost_with: str | None = None) -> collections.Counter:
     """Opcodes between the target of the longest backward branch and the branch; with
     ``innermost_with``, of the shortest loop that holds that opcode instead."""
-    return collections.Counter(_opcode(text) for text in loop_instructions(cubin, innermost_with))
+    return collections.Counter(opcode(text) for text in loop_instructions(cubin, innermost_with))
 
 
-def _opcode(text: str) -> str:
-    return _unpredicated(text).split()[0].split(".")[0]
+def opcode(text: str) -> str:
+    """An instruction's mnemonic without its guard predicate and modifiers (``@!P1 LDS.128 ...``
+    -> ``LDS``)."""
+    return _unpredicated(text.strip()).split()[0].split(".")[0]
 
 
 def loop_instructions(cubin: Path, innermost_with: str | None = None) -> list[str]:
@@ -238,7 +240,7 @@ def loop_instructions(cubin: Path, innermost_with: str | None = None) -> list[st
     code = {int(a, 16): t.strip() for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)}
     bodies = loop_bodies(code)
     if innermost_with:
-        return next((b for b in bodies if any(_opcode(t) == innermost_with for t in b)), [])
+        return next((b for b in bodies if any(opcode(t) == innermost_with for t in b)), [])
     return bodies[-1] if bodies else []
 
 

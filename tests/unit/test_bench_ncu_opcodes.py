@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from ncu_opcodes import launches, opcode, summary  # noqa: E402
+from ncu_opcodes import launches, summary  # noqa: E402
+from w4a16_sass import opcode  # noqa: E402
 
 COLUMNS = ('"Address","Source","Instructions Executed","L1 Wavefronts Shared",'
            '"L1 Wavefronts Shared Ideal","stall_math","stall_mio",'
