@@ -14,6 +14,7 @@ issue when this number is high: an SM issues about 128 thread-instructions per c
     python bench/w4a16_sass.py --moe ...            # the MoE grouped GEMM (INT4 experts)
     python bench/w4a16_sass.py --gemv 1,128,128,4   # the one-token CUDA-core GEMV (BLOCK_M unused)
     python bench/w4a16_sass.py --wgmma 64,64,32,4   # the Gluon warpgroup-MMA kernel (BM tokens)
+    python bench/w4a16_sass.py --banks ...          # and each shared access's bank conflicts
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import shared_banks
 import triton
 from tessera.kernels.w4a16_gemm import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from tessera.kernels.w4a16_moe import _moe_gemm_kernel
@@ -62,14 +64,21 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
 ]
 
 
-def compile_cubin(
+def compile_cubin(cfg: tuple[int, ...], **flags) -> bytes:
+    """:func:`compile_asm`'s cubin."""
+    return compile_asm(cfg, **flags)["cubin"]
+
+
+def compile_asm(
     cfg: tuple[int, ...],
     fast: bool = True,
     moe: bool = False,
     swap: bool = False,
     silu: bool = False,
     gemv: bool = False,
-) -> bytes:
+) -> dict:
+    """A Triton W4A16 kernel built for sm_90 as the tuner's decode picks run it: its stages
+    (``ttgir``, ``ptx``, ``cubin``, ...) by name."""
     bm, bn, group, warps, *rest = cfg
     stages = rest[0] if rest else 4
     block_k = rest[1] if len(rest) > 1 else 128
@@ -100,7 +109,7 @@ def compile_cubin(
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
-    return kernel.asm["cubin"]
+    return kernel.asm
 
 
 def tile_report(cfg: tuple[int, ...], **flags) -> dict:
@@ -272,6 +281,8 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="weights as the dot's first operand")
     ap.add_argument("--silu", action="store_true", help="MoE up GEMM with SiLU-and-mul epilogue")
     ap.add_argument("--gemv", action="store_true", help="the one-token CUDA-core GEMV")
+    ap.add_argument("--banks", action="store_true",
+                    help="each shared-memory copy and load's wavefronts (bench/shared_banks.py)")
     ap.add_argument("--wgmma", action="store_true",
                     help="the Gluon warpgroup-MMA kernel (BLOCK_M: tokens; BLOCK_N 64, 4 warps)")
     args = ap.parse_args()
@@ -302,6 +313,11 @@ def main() -> None:
         print(f"{kind} BM={bm:3d} BN={bn:3d} g{group:<3d} warps={warps} {rest}: "
               f"{built['resources']}, K loop {total} instr = {total / weights_per_thread:.1f} "
               f"per weight per thread; {top}", flush=True)  # fmt: skip
+        if args.banks:
+            ttgir = compile_asm(cfg, fast=not args.plain, moe=args.moe, swap=args.swap,
+                                silu=args.silu, gemv=args.gemv)["ttgir"]  # fmt: skip
+            for line in shared_banks.summary(shared_banks.report(ttgir)):
+                print("  " + line)
 
 
 if __name__ == "__main__":
