@@ -7,10 +7,12 @@ specializes it for real shapes (16-byte aligned pointers, strides divisible by 1
 registers and stack (spills) per thread and the opcode mix of the tile loop (the longest
 backward branch).
 
-    python bench/mla_sass.py [--balanced] [HEADS ...]   # default: 16 64 128, BF16 and FP8
+    python bench/mla_sass.py [--balanced] [--banks] [HEADS ...]   # default: 16 64 128
 
-``--balanced``: the kernel compiled for balanced splits (a caller that passes the batch's total
-length, as the decode slice does); without it, equal splits (``bench/mla_profile.py``'s runs).
+``--banks``: also the Triton kernel's shared-memory copies and loads, with their bank conflicts
+(``bench/shared_banks.py``). ``--balanced``: the kernel compiled for balanced splits (a caller
+that passes the batch's total length, as the decode slice does); without it, equal splits
+(``bench/mla_profile.py``'s runs).
 Run it with the Triton version of the GPU image: the register allocation differs between them.
 It also compiles the Gluon kernels (written for the GPU image's Triton 3.6): at up to 16 heads
 the warp-specialized FP8 kernel (``mla_decode_wgmma.py``), from 64 heads the heads-as-M kernel
@@ -28,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from shared_banks import report, summary
 from tessera.kernels.mla_decode_e4m3 import mla_fp8_e4m3_kernel, mla_fp8_e4m3_stream_kernel
 from tessera.kernels.mla_decode_e4m3_inplace import mla_fp8_e4m3_inplace_kernel
 from tessera.kernels.mla_decode_heads import mla_heads_kernel, mla_heads_stream_kernel
@@ -59,6 +62,12 @@ STREAM_STRIDES = STRIDES | {"stride_ob", "stride_oh"}
 
 
 def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
+    asm, what = compile_asm(heads, fp8, balanced)
+    return asm["cubin"], what
+
+
+def compile_asm(heads: int, fp8: bool, balanced: bool) -> tuple[dict, str]:
+    """The stage-1 Triton kernel's stages (``ttgir``, ``cubin``, ...) and what it is."""
     cfg = pick_config(576, heads, True, fp8=fp8)
     # the Gluon kernels on Hopper (gluon_report builds them); their Triton counterparts here
     if cfg.wgmma:
@@ -81,7 +90,7 @@ def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
         options["maxnreg"] = cfg.max_registers
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return kernel.asm["cubin"], f"{fn.__name__} {cfg}"
+    return kernel.asm, f"{fn.__name__} {cfg}"
 
 
 def gluon_report(
@@ -168,7 +177,8 @@ def ptxas_advisories(ptx: str, tmp: str) -> str:
 def main() -> None:
     args = sys.argv[1:]
     balanced = "--balanced" in args
-    heads = [int(h) for h in args if h != "--balanced"] or [16, 64, 128]
+    banks = "--banks" in args
+    heads = [int(h) for h in args if not h.startswith("--")] or [16, 64, 128]
     with tempfile.TemporaryDirectory() as tmp:
         for h in heads:
             for fp8 in (False, True):
@@ -181,6 +191,9 @@ def main() -> None:
                 print(f"{h} heads {'FP8' if fp8 else 'BF16'}: {resources(path)}; loop "
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
+                if banks:
+                    ttgir = compile_asm(h, fp8, balanced)[0]["ttgir"]
+                    print("\n".join("  " + line for line in summary(report(ttgir))))
             for fp8 in (True,) if h <= 16 else (False, True):
                 r = gluon_report(balanced, heads=h, fp8=fp8)
                 # the 64-heads kernel's one loop is its tile loop; the warp-specialized one's

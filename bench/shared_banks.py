@@ -11,7 +11,9 @@ pipe serves it: a warp's 32-bit accesses in one pass, 64-bit in two half-warps, 
 quarter-warps, and each pass takes as many wavefronts as the most distinct 4-byte words any one
 of the 32 banks holds. The ideal is the distinct bytes over 128 a pass. These are the
 wavefronts Nsight Compute counts per instruction (``bench/ncu_opcodes.py``); the model reads them
-from a build, so a layout can be judged before it is timed.
+from a build, so a layout can be judged before it is timed. Not modelled: NVMMA (``wgmma``)
+encodings, which are skipped, and how ``ldmatrix`` serves a transposed load (a dot operand read
+across the buffer's rows is counted as the per-lane 2-byte reads it stands for).
 
     python bench/w4a16_sass.py --banks --moe --silu 16,128,128,4,4
     python bench/shared_banks.py kernel.ttgir [--json]    # any Triton kernel's TTGIR (the
@@ -207,6 +209,9 @@ class _Layouts:
                 [_int(text, "versionMajor"), _int(text, "versionMinor")],
                 _ints(text, "warpsPerCTA"), _ints(text, "instrShape"),
             )  # fmt: skip
+        if text.startswith("#ttg.slice"):
+            parent = re.search(r"parent\s*=\s*(#[\w.]+)", text).group(1)
+            return gl.SliceLayout(_int(text, "dim"), self._gluon(parent))
         if text.startswith("#ttg.dot_op"):
             parent = re.search(r"parent\s*=\s*(#[\w.]+)", text).group(1)
             return gl.DotOperandLayout(_int(text, "opIdx"), self._gluon(parent),

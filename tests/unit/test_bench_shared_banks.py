@@ -28,6 +28,7 @@ LAYOUTS = """\
 #mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 4], instrShape = [16, 8]}>
 #words = #ttg.swizzled_shared<{vec = 8, perPhase = 1, maxPhase = 4, order = [1, 0]}>
 #plain = #ttg.swizzled_shared<{vec = 1, perPhase = 1, maxPhase = 1, order = [2, 1, 0]}>
+#flat = #ttg.swizzled_shared<{vec = 1, perPhase = 1, maxPhase = 1, order = [0]}>
 #smem = #ttg.shared_memory
 #loc = loc("kernel.py":1:0)
 #loc1 = loc("xs"(#loc))
@@ -39,6 +40,7 @@ BODY = """\
       %c = ttg.async_copy_global_to_local %p, %b : tensor<16x2x64x!tt.ptr<bf16>, #along_k> -> <16x2x64xbf16, #plain, #smem, mutable> loc(#loc1)
       %f = ttg.local_load %b token %t : !ttg.memdesc<16x16x8xbf16, #plain, #smem, mutable> -> tensor<16x16x8xbf16, #fragments> loc(#loc1)
       %w = ttg.local_load %q token %t : !ttg.memdesc<16x128xi32, #words, #smem, mutable> -> tensor<16x128xi32, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>> loc(#loc2)
+      %s = ttg.local_load %v token %t : !ttg.memdesc<128xf32, #flat, #smem, mutable> -> tensor<128xf32, #ttg.slice<{dim = 0, parent = #mma}>> loc(#loc)
       scf.yield %x, %y : i32, i32
     } loc(#loc)
 """  # fmt: skip
@@ -101,6 +103,16 @@ def test_the_words_as_b_operand_meet_two_rows_a_phase(accesses) -> None:
     assert (words.name, words.vector_bytes, words.wavefronts, words.ideal) == ("words", 4, 32, 16)
 
 
+def test_a_row_read_in_the_accumulators_column_layout_is_shared_by_its_lanes(accesses) -> None:
+    """A slice of the MMA layout (a row of scales): each lane holds 2 adjacent of every 8
+    columns, the 8 lanes of a column pair read the same 8 bytes, so a half-warp pass is one
+    wavefront of 32 distinct bytes."""
+    row = next(a for a in accesses.values() if a.shape == (128,))
+    assert (row.vector_bytes, row.instructions, row.wavefronts, row.ideal) == (8, 4, 8, 8)
+
+
 def test_summary_totals_the_loop_only(accesses) -> None:
     lines = summary(list(accesses.values()))
-    assert lines[-1] == "loop total: 104 wavefronts a warp an iteration, ideal 56"
+    loop = [a for a in accesses.values() if a.in_loop]
+    assert lines[-1] == (f"loop total: {sum(a.wavefronts for a in loop)} wavefronts a warp an "
+                         f"iteration, ideal {sum(a.ideal for a in loop)}")  # fmt: skip
