@@ -61,11 +61,6 @@ STREAM_SCALARS = ("sm_scale_log2e", "batch", "num_heads", "stride_qb", "stride_q
 STREAM_STRIDES = STRIDES | {"stride_ob", "stride_oh"}
 
 
-def compile_cubin(heads: int, fp8: bool, balanced: bool) -> tuple[bytes, str]:
-    asm, what = compile_asm(heads, fp8, balanced)
-    return asm["cubin"], what
-
-
 def compile_asm(heads: int, fp8: bool, balanced: bool) -> tuple[dict, str]:
     """The stage-1 Triton kernel's stages (``ttgir``, ``cubin``, ...) and what it is."""
     cfg = pick_config(576, heads, True, fp8=fp8)
@@ -182,9 +177,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for h in heads:
             for fp8 in (False, True):
-                cubin, what = compile_cubin(h, fp8, balanced)
+                asm, what = compile_asm(h, fp8, balanced)
                 path = Path(tmp) / f"mla_{h}_{int(fp8)}.cubin"
-                path.write_bytes(cubin)
+                path.write_bytes(asm["cubin"])
                 ops = loop_opcodes(path)
                 top = ", ".join(f"{op} {n}" for op, n in ops.most_common(12))
                 spills = sum(n for op, n in ops.items() if op in ("STL", "LDL"))
@@ -192,8 +187,7 @@ def main() -> None:
                       f"{sum(ops.values())} instructions, {spills} spill loads/stores "
                       f"(STL/LDL); {top}\n  {what}", flush=True)
                 if banks:
-                    ttgir = compile_asm(h, fp8, balanced)[0]["ttgir"]
-                    print("\n".join("  " + line for line in summary(report(ttgir))))
+                    print("\n".join("  " + line for line in summary(report(asm["ttgir"]))))
             for fp8 in (True,) if h <= 16 else (False, True):
                 r = gluon_report(balanced, heads=h, fp8=fp8)
                 # the 64-heads kernel's one loop is its tile loop; the warp-specialized one's

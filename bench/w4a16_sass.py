@@ -64,11 +64,6 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, group, num_warps, num_stages)
 ]
 
 
-def compile_cubin(cfg: tuple[int, ...], **flags) -> bytes:
-    """:func:`compile_asm`'s cubin."""
-    return compile_asm(cfg, **flags)["cubin"]
-
-
 def compile_asm(
     cfg: tuple[int, ...],
     fast: bool = True,
@@ -112,16 +107,21 @@ def compile_asm(
     return kernel.asm
 
 
-def tile_report(cfg: tuple[int, ...], **flags) -> dict:
+def tile_report(cfg: tuple[int, ...], banks: bool = False, **flags) -> dict:
     """A Triton kernel's registers and stack and its K loop's opcodes, for ``cfg`` (``BLOCK_M,
-    BLOCK_N,group,warps[,stages[,BLOCK_K]]``) and :func:`compile_cubin`'s ``flags``. Also for
-    ``tests/kernels/test_w4a16_tile_compile.py``."""
+    BLOCK_N,group,warps[,stages[,BLOCK_K]]``) and :func:`compile_asm`'s ``flags``; with
+    ``banks``, also its shared-memory accesses' lines (``bench/shared_banks.py``) from the same
+    build. Also for ``tests/kernels/test_w4a16_tile_compile.py``."""
     scratch = Path.home() / ".cache" / "tessera" / "sass"
     scratch.mkdir(parents=True, exist_ok=True)
     named = "_".join(k for k, v in sorted(flags.items()) if v)
     cubin = scratch / f"w4a16_{named}_{'_'.join(map(str, cfg))}.cubin"
-    cubin.write_bytes(compile_cubin(cfg, **flags))
-    return {"resources": resources(cubin), "loop": dict(loop_opcodes(cubin))}
+    asm = compile_asm(cfg, **flags)
+    cubin.write_bytes(asm["cubin"])
+    built = {"resources": resources(cubin), "loop": dict(loop_opcodes(cubin))}
+    if banks:
+        built["banks"] = shared_banks.summary(shared_banks.report(asm["ttgir"]))
+    return built
 
 
 def compile_wgmma_cubin(
@@ -304,8 +304,8 @@ def main() -> None:
     for cfg in configs:
         bm, bn, group, warps, *rest = cfg
         block_k = rest[1] if len(rest) > 1 else 128
-        built = tile_report(cfg, fast=not args.plain, moe=args.moe, swap=args.swap,
-                            silu=args.silu, gemv=args.gemv)  # fmt: skip
+        built = tile_report(cfg, banks=args.banks, fast=not args.plain, moe=args.moe,
+                            swap=args.swap, silu=args.silu, gemv=args.gemv)  # fmt: skip
         ops = collections.Counter(built["loop"])
         weights_per_thread = bn * block_k // (32 * warps)  # one K step
         total = sum(ops.values())
@@ -313,11 +313,8 @@ def main() -> None:
         print(f"{kind} BM={bm:3d} BN={bn:3d} g{group:<3d} warps={warps} {rest}: "
               f"{built['resources']}, K loop {total} instr = {total / weights_per_thread:.1f} "
               f"per weight per thread; {top}", flush=True)  # fmt: skip
-        if args.banks:
-            ttgir = compile_asm(cfg, fast=not args.plain, moe=args.moe, swap=args.swap,
-                                silu=args.silu, gemv=args.gemv)["ttgir"]  # fmt: skip
-            for line in shared_banks.summary(shared_banks.report(ttgir)):
-                print("  " + line)
+        for line in built.get("banks", []):
+            print("  " + line)
 
 
 if __name__ == "__main__":
