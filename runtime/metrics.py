@@ -1,4 +1,4 @@
-"""tessera-runtime's Prometheus metrics, served on the pod's `tessera-metrics` port.
+"""tessera-runtime's Prometheus metrics, served on the pod's `metrics` port.
 
 Two kinds of metric, from two kinds of process:
 - the runtime's own (info, preflight), in the `tessera-runtime` process, in a registry of
@@ -24,7 +24,6 @@ from prometheus_client.registry import Collector
 from tessera.runtime.config import RuntimeConfig
 from tessera.runtime.preflight import Failure, PreflightResult
 
-METRICS_PORT_NAME = "tessera-metrics"
 PREFIX = "tessera_"
 PREFLIGHT_STATES = ["pending", "passed", *(f.name.lower() for f in Failure)]
 
