@@ -13,9 +13,10 @@ so each nibble plane ``i`` is one ``[BLOCK_M, R] x [R, BLOCK_N]`` tensor-core do
 activations ``x[:, i::8]``: the packed words are loaded once, coalesced along N, and never
 reshaped. Two codes become a packed bf16x2 ``128 + code`` in about two instructions, without an
 int->float conversion (``w4a16_layout.plane_ptx``); when a group spans the whole K step the
-offset comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])`` (16-row tiles; taller ones use a
-second dot with ``-(128 + zero)``), and the scale then multiplies the ``[BLOCK_M, BLOCK_N]``
-partial sum instead of every weight. Smaller groups decode each weight to
+offset ``-(128 + zero[n])`` is added per weight with one packed fma a pair (tiles of 16 and 32
+rows), comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])`` (weights-first tiles), or takes
+a second dot (``wgmma`` tiles), and the scale then multiplies the ``[BLOCK_M, BLOCK_N]`` partial
+sum instead of every weight. Smaller groups decode each weight to
 ``(code - zero) * scale`` with two packed bf16x2 FMAs. Instructions per weight in the K loop,
 counted offline by ``bench/w4a16_sass.py``, are what limits this kernel at small M.
 
@@ -70,6 +71,19 @@ def _plane(words, i: tl.constexpr, magic_zero):
 
 _PLANE_RAW = tl.constexpr(tuple(plane_ptx(i, "raw") for i in range(8)))
 _PLANE_SCALED = tl.constexpr(tuple(plane_ptx(i, "scaled") for i in range(8)))
+_PLANE_OFFSET = tl.constexpr(tuple(plane_ptx(i, "offset") for i in range(8)))
+
+
+@triton.jit
+def _plane_offset(words, i: tl.constexpr, neg_zero, FAST: tl.constexpr):
+    """Nibble plane ``i`` as bf16 ``code - zero`` (exact); ``neg_zero`` is bf16 ``-(128 + zero)``
+    shaped like ``words``."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            _PLANE_OFFSET[i], "=r,r,r,r", [words, neg_zero], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    code = ((words >> (4 * i)) & 0xF).to(tl.float32) + 128.0
+    return (code + neg_zero.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -156,16 +170,21 @@ def _x_planes(
     ``[BM, R]`` each (the dot's first operand), or ``[R, BM]`` with ``SWAP`` (its second), from one
     contiguous tile load that Triton pipelines; ``x_rows`` is ``[BM, 1]`` row pointers."""
     R: tl.constexpr = BLOCK_K // 8
-    x_k = step * BLOCK_K + tl.arange(0, R) * 8
     if SWAP:  # [R, BM, 8]
+        x_k = step * BLOCK_K + tl.arange(0, R) * 8
         x_ptrs = x_rows[None, :, :] + x_k[:, None, None] + tl.arange(0, 8)[None, None, :]
         x_mask = m_mask[None, :, None] & (x_k < K)[:, None, None]
-    else:  # [BM, R, 8]
-        x_ptrs = x_rows[:, :, None] + x_k[None, :, None] + tl.arange(0, 8)[None, None, :]
-        x_mask = m_mask[:, None, None] & (x_k < K)[None, :, None]
-    if EVEN_K:
-        x_mask = m_mask[None, :, None] if SWAP else m_mask[:, None, None]
-    return _planes(tl.load(x_ptrs, mask=x_mask, other=0.0))
+        if EVEN_K:
+            x_mask = m_mask[None, :, None]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    else:  # [BM, BLOCK_K], split in registers: its copy into shared memory runs along K
+        x_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        x_mask = m_mask[:, None] & (x_k < K)[None, :]
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+        x = tl.load(x_rows + x_k[None, :], mask=x_mask, other=0.0)
+        x = tl.reshape(x, (x.shape[0], R, 8))
+    return _planes(x)
 
 
 @triton.jit
@@ -184,16 +203,16 @@ def _w4a16_accumulate(
 
     Per step of ``BLOCK_K = 8 R`` inputs: one ``[R, BN]`` tile of words, and for each nibble plane
     ``i`` a ``[BM, R] x [R, BN]`` dot with the strided activations ``x[:, i::8]`` (loaded as one
-    contiguous ``[BM, R, 8]`` tile, which Triton pipelines, and split in registers). With one group
-    per step the weights go into the dot as ``128 + code`` and the offset ``-(128 + zero[n])``
-    comes back as a rank-1 term ``xsum[m] * -(128 + zero[n])``, with ``xsum`` (the step's sum of
-    each activation row) from one small dot per plane against ones (token tiles of 16 rows or
-    fewer; taller ones take a second full dot per plane with ``-(128 + zero)``); the scale then
-    multiplies the ``[BM, BN]`` partial sum. With smaller groups each weight is decoded to
-    ``(code - zero) * scale``. ``FAST`` selects the packed-bf16x2 PTX decode (GPU); the
-    plain-Triton decode computes the same bf16 values (for the CPU interpreter). Triton's software
-    pipelining (``num_stages``) prefetches words and activations into shared memory; scales and
-    zeros are loaded one step ahead by hand.
+    contiguous tile, which Triton pipelines, and split in registers). With one group per step the
+    weights go into the dot as ``code - zero`` (one packed fma a pair from ``128 + code``; tiles
+    of 16 and 32 rows), or as ``128 + code`` with the offset as a rank-1 term ``xsum[m] * -(128 +
+    zero[n])`` (``SWAP``: ``xsum``, the step's sum of each activation row, from one small dot per
+    plane against ones) or as a second dot per plane with ``-(128 + zero)`` (taller tiles, which
+    Triton runs on ``wgmma``); the scale then multiplies the ``[BM, BN]`` partial sum. With
+    smaller groups each weight is decoded to ``(code - zero) * scale``. ``FAST`` selects the
+    packed-bf16x2 PTX decode (GPU); the plain-Triton decode computes the same bf16 values (for
+    the CPU interpreter). Triton's software pipelining (``num_stages``) prefetches words and
+    activations into shared memory; scales and zeros are loaded one step ahead by hand.
     """
     R: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, R)
@@ -237,17 +256,14 @@ def _w4a16_accumulate(
                     sums = tl.dot(ones, xs[i], sums)
                 xsum = tl.max(sums, axis=0)[None, :]  # every row holds the sum
                 acc += (part + neg_zero.to(tl.float32) * xsum) * scale.to(tl.float32)
-            elif acc.shape[0] == 16:
-                # 32 columns of ones: 4 warps side by side, the accumulator's own warp layout
-                # (8 put them on top of each other, and the 16 x BN tile then spilled)
-                ones = tl.full((R, 32), 1.0, tl.bfloat16)
-                sums = tl.zeros((16, 32), dtype=tl.float32)
+            elif acc.shape[0] <= 32:
+                # the offset per weight, one packed fma a pair: a rank-1 term here needs
+                # xsum across the warps (shared memory and three more barriers a step)
+                offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
                 for i in tl.static_range(8):
-                    part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
-                    sums = tl.dot(xs[i], ones, sums)
-                xsum = tl.max(sums, axis=1)[:, None]  # every column holds the sum
-                acc += (part + neg_zero.to(tl.float32) * xsum) * scale.to(tl.float32)
-            else:  # taller tiles: a 32-column sums dot takes another warp layout and spills
+                    part = tl.dot(xs[i], _plane_offset(words, i, offset, FAST), part)
+                acc += part * scale.to(tl.float32)
+            else:  # wgmma tiles: a second dot a plane with -(128 + zero) costs less
                 offset = tl.broadcast_to(neg_zero, (R, offs_n.shape[0]))
                 for i in tl.static_range(8):
                     part = tl.dot(xs[i], _plane_raw(words, i, FAST), part)
@@ -680,7 +696,7 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     Up to M = 64 the weights are the dot's first operand (``swap``): the token tile is then the
     MMA's N (8 rows at M <= 8, half the tensor-core work of the 16-row minimum of the other
     orientation; 16 to 64 rows use Hopper's ``wgmma``), and the zero-point offset is a rank-1
-    term instead of a second dot. The previous orientation (16- and 32-row tiles, offset dot)
+    term instead of a second dot. The previous orientation (16- and 32-row tiles, offset per weight)
     stays as a candidate. Offline SASS counts (``bench/w4a16_sass.py``) are in the docs.
     """
     if m > 64:
