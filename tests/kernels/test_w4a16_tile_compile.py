@@ -12,7 +12,7 @@ from test_mla_wgmma_compile import offline_build, triton_dir  # noqa: F401 (a fi
 
 
 @pytest.mark.parametrize(("rows", "block_n"), [(16, 128), (16, 256), (32, 128)])
-@pytest.mark.parametrize(("moe", "silu"), [(False, False), (True, True)])
+@pytest.mark.parametrize(("moe", "silu"), [(False, False), (True, False), (True, True)])
 def test_small_tiles_add_the_group_offset_per_weight(
     rows, block_n, moe, silu, triton_dir  # noqa: F811 (the fixture)
 ):
